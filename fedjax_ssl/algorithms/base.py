@@ -1,0 +1,61 @@
+"""The contract between an algorithm and the generic round step.
+
+An algorithm is a handful of pure functions over ONE client's state (the engine maps them over the
+stacked client axis) plus a server aggregation over the stacked uploads of the round's participants:
+
+  init(key, num_clients)                 -> (clients [C, ...], server)
+  broadcast(server)                      -> msg            (what every participant receives)
+  begin(client, msg, key)                -> client         (adopt/mix global model, reset optimizer)
+  local_step(client, batch, key, msg, lr)-> (client, loss) (one optimisation step; batch = dict(x=uint8
+                                                             [B,H,W,C], y=int32 [B]))
+  end(client_start, client, msg)         -> client         (post-training bookkeeping, e.g. divergence)
+  upload(client)                         -> payload        (what the server receives)
+  aggregate(server, payloads [m, ...], weights [m]) -> server   (weights sum to 1)
+  eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  name: str
+  init: Callable[..., Any]
+  broadcast: Callable[..., Any]
+  begin: Callable[..., Any]
+  local_step: Callable[..., Any]
+  end: Callable[..., Any]
+  upload: Callable[..., Any]
+  aggregate: Callable[..., Any]
+  eval_variables: Callable[..., Any]
+  # The encoder module and how to apply it to evaluation images (float32, normalised):
+  # encoder_apply(variables, x) -> [B, d] backbone features, in inference mode.
+  encoder_apply: Callable[..., Any]
+  # True when clients keep personal models that must be evaluated one by one.
+  personalized: bool = False
+
+
+def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
+  """Weighted average over the leading axis of every leaf.
+
+  Args:
+    stacked: pytree with leaves [m, ...].
+    weights: float32 [m], summing to 1.
+  Returns:
+    pytree with leaves [...]; integer leaves keep their dtype (rounded average).
+  """
+  def avg(leaf):
+    w = weights.reshape((-1,) + (1,) * (leaf.ndim - 1))
+    out = jnp.sum(w * leaf.astype(jnp.float32), axis=0)
+    return out.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.round(out).astype(leaf.dtype)
+  return jax.tree_util.tree_map(avg, stacked)
+
+
+def replicate(tree: Any, num_clients: int) -> Any:
+  """Stack `num_clients` copies of every leaf along a new leading axis."""
+  return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), tree)

@@ -1,0 +1,87 @@
+"""FedAvg over an SSL (or supervised) client: FedBYOL, FedSimSiam, FedSimCLR, supervised FedAvg, and
+centralized training (one client holding all data).
+
+Per round (EasyFL `fedssl`, specs/hetero_ssfl.md §3.9): every participant adopts the global online
+network (encoder + projector + predictor, with their BatchNorm statistics), trains E local epochs,
+uploads its online network, and the server replaces the global network by the data-size-weighted mean
+(BatchNorm running statistics included, as EasyFL / FedSC average the whole state dict).
+BYOL's target stays local (EasyFL) — or is reset to the online network at every sync
+(`byol_target_sync='reset'`, FedSC's FedAvg+BYOL). At a client's first participation the target is
+the global online network in both modes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
+
+BYOL_TARGET_SYNC = ('keep', 'reset')
+
+
+def _select(flag, a, b):
+  """Pytree select on a scalar bool."""
+  return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+def shared_subset(spec: ssl_client.ClientSpec, client) -> dict:
+  """The online network every participant uploads: {'params', 'batch_stats'} restricted to the
+  method's shared modules."""
+  names = ssl_client.SHARED_MODULES[spec.method]
+  return {'params': {k: client['params'][k] for k in names if k in client['params']},
+          'batch_stats': {k: client['batch_stats'][k] for k in names if k in client['batch_stats']}}
+
+
+def adopt_global(spec: ssl_client.ClientSpec, client, glob, names) -> dict:
+  """Client with the modules `names` (params and BN statistics) replaced by the global ones."""
+  return dict(client,
+              params=ssl_client.replace_modules(client['params'], glob['params'], names),
+              batch_stats=ssl_client.replace_modules(client['batch_stats'], glob['batch_stats'], names))
+
+
+def sync_target(spec: ssl_client.ClientSpec, client, reset) -> dict:
+  """BYOL: target <- online (encoder + projector) where `reset` (scalar bool), else keep."""
+  if spec.method != 'byol':
+    return client
+  fresh = ssl_client.target_from_online(client['params'], client['batch_stats'])
+  return dict(client, target=_select(reset, fresh, client['target']))
+
+
+def mark_participated(client) -> dict:
+  return dict(client, extras=dict(client['extras'], participated=jnp.ones((), jnp.float32)))
+
+
+def init_shared(spec: ssl_client.ClientSpec, key, num_clients):
+  """All clients start from the same initial model, which is also the global model."""
+  client = ssl_client.init_client(spec, key)
+  return replicate(client, num_clients), shared_subset(spec, client)
+
+
+def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: str = 'fedavg'
+         ) -> Algorithm:
+  if byol_target_sync not in BYOL_TARGET_SYNC:
+    raise ValueError(f'byol_target_sync = {byol_target_sync!r} is invalid: must be one of '
+                     f'{BYOL_TARGET_SYNC}')
+  names = ssl_client.SHARED_MODULES[spec.method]
+
+  def begin(client, msg, key):
+    del key
+    first = client['extras']['participated'] == 0
+    client = adopt_global(spec, ssl_client.begin_round(spec, client), msg, names)
+    client = sync_target(spec, client, first | (byol_target_sync == 'reset'))
+    return mark_participated(client)
+
+  return Algorithm(
+      name=name,
+      init=lambda key, num_clients: init_shared(spec, key, num_clients),
+      broadcast=lambda server: server,
+      begin=begin,
+      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
+      end=lambda start, client, msg: client,
+      upload=lambda client: shared_subset(spec, client),
+      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
+      eval_variables=lambda state: (state.server, False),
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+  )

@@ -1,0 +1,81 @@
+"""FedEMA (Zhuang et al., ICLR 2022) as in EasyFL (specs/hetero_ssfl.md §3.9).
+
+At every participation after the first, with d the divergence of the client's previous local training
+and lambda_k its auto-scaler:
+    mu_k = min(lambda_k * d, 1)
+    online (encoder + projector) <- mu_k * local + (1 - mu_k) * global
+    predictor                    <- mu_k * local + (1 - mu_k) * global
+A larger divergence keeps more of the local model. The auto-scaler is fixed once, after the client's
+first local training: lambda_k = autoscaler_tau / d_first (tau = 0.7). BatchNorm statistics of the
+encoder + projector come from the global model (EasyFL mixes parameters only); the predictor keeps its
+local statistics when mu_k > 0.5 (EasyFL then moves the local predictor towards the global one) and
+takes the global ones otherwise. The BYOL target stays local. At the first participation everything
+comes from the server.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.algorithms import fedavg, ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, weighted_mean
+from fedjax_ssl.algorithms.divergence import conv_divergence
+
+METHODS = ('byol', 'simsiam')
+_ONLINE = ('encoder', 'projector')
+
+
+def mix(local, glob, mu):
+  """mu * local + (1 - mu) * global, leafwise."""
+  return jax.tree_util.tree_map(lambda l, g: mu * l + (1.0 - mu) * g, local, glob)
+
+
+def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorithm:
+  if spec.method not in METHODS:
+    raise ValueError(f'FedEMA needs a predictor: ssl_method = {spec.method!r} is invalid, must be '
+                     f'one of {METHODS}')
+  if autoscaler_tau <= 0:
+    raise ValueError(f'fedema.autoscaler_tau = {autoscaler_tau} is invalid: must be > 0')
+
+  def init(key, num_clients):
+    clients, server = fedavg.init_shared(spec, key, num_clients)
+    zeros = jnp.zeros((num_clients,), jnp.float32)
+    clients['extras'].update(divergence=zeros, scaler=zeros)
+    return clients, server
+
+  def begin(client, msg, key):
+    del key
+    extras = client['extras']
+    first = extras['participated'] == 0
+    client = ssl_client.begin_round(spec, client)
+    mu = jnp.minimum(extras['scaler'] * extras['divergence'], 1.0)
+    p_loc, p_glob = client['params'], msg['params']
+    mixed = {k: mix(p_loc[k], p_glob[k], mu) for k in _ONLINE + ('predictor',)}
+    params = fedavg._select(first, ssl_client.replace_modules(p_loc, p_glob, mixed.keys()),
+                            ssl_client.replace_modules(p_loc, mixed, mixed.keys()))
+    bs_loc, bs_glob = client['batch_stats'], msg['batch_stats']
+    bs = ssl_client.replace_modules(bs_loc, bs_glob, _ONLINE)
+    if 'predictor' in bs_loc:
+      keep_local = (~first) & (mu > 0.5)
+      bs['predictor'] = fedavg._select(keep_local, bs_loc['predictor'], bs_glob['predictor'])
+    client = dict(client, params=params, batch_stats=bs)
+    client = fedavg.sync_target(spec, client, first)
+    return fedavg.mark_participated(client)
+
+  def end(start, client, msg):
+    d = conv_divergence(start['params']['encoder'], client['params']['encoder'])
+    scaler = client['extras']['scaler']
+    # Fixed once: after the first local training (scaler still 0).
+    scaler = jnp.where(scaler == 0, autoscaler_tau / jnp.maximum(d, 1e-12), scaler)
+    return dict(client, extras=dict(client['extras'], divergence=d, scaler=scaler))
+
+  return Algorithm(
+      name='fedema', init=init, broadcast=lambda server: server, begin=begin,
+      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
+      end=end,
+      upload=lambda client: fedavg.shared_subset(spec, client),
+      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
+      eval_variables=lambda state: (state.server, False),
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+  )

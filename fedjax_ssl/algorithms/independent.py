@@ -1,0 +1,40 @@
+"""Independent local learning (IL / "Local SSL"): every client trains its own model on its own data,
+nothing is communicated. Clients start from independent random initialisations (as the
+representation-sharing code's `get_model` per client), or from one shared one with
+`independent_init=False`. Evaluation is per client (personalised models).
+"""
+from __future__ import annotations
+
+import jax
+
+from fedjax_ssl.algorithms import fedavg, ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, replicate
+
+
+def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algorithm:
+  def init(key, num_clients):
+    if independent_init:
+      keys = jax.random.split(key, num_clients)
+      clients = jax.vmap(lambda k: ssl_client.init_client(spec, k))(keys)
+    else:
+      clients = replicate(ssl_client.init_client(spec, key), num_clients)
+    return clients, {}
+
+  def begin(client, msg, key):
+    del msg, key
+    return fedavg.mark_participated(ssl_client.begin_round(spec, client))
+
+  def eval_variables(state):
+    return {'params': state.clients['params'], 'batch_stats': state.clients['batch_stats']}, True
+
+  return Algorithm(
+      name='independent', init=init, broadcast=lambda server: server, begin=begin,
+      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
+      end=lambda start, client, msg: client,
+      upload=lambda client: {},
+      aggregate=lambda server, payloads, weights: server,
+      eval_variables=eval_variables,
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+      personalized=True,
+  )

@@ -1,0 +1,156 @@
+"""What every SSL (or supervised) client does locally, shared by the FedAvg family, FedU, FedEMA,
+independent and centralized training: the model, the two-view augmentation, the loss, one
+optimiser step, and the BYOL EMA target.
+
+A client state is a dict:
+  params       online parameters {'encoder', 'projector', 'predictor'} (SSL) or {'encoder', 'head'}
+  batch_stats  BatchNorm running statistics of the same modules ({} for BN-free encoders)
+  opt_state    optax state of `spec.tx` over `params`
+  target       BYOL only: {'params': {'encoder', 'projector'}, 'batch_stats': ...}, EMA of online
+  extras       algorithm bookkeeping (e.g. 'participated', 'divergence', 'scaler'), float32 scalars
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_ssl.data import augment
+from fedjax_ssl.ssl import losses
+
+SSL_METHODS = ('byol', 'simsiam', 'simclr', 'supervised')
+
+# Top-level parameter groups each method averages across clients (FedAvg) — the online network.
+SHARED_MODULES = {
+    'byol': ('encoder', 'projector', 'predictor'),
+    'simsiam': ('encoder', 'projector', 'predictor'),
+    'simclr': ('encoder', 'projector'),
+    'supervised': ('encoder', 'head'),
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClientSpec:
+  """Static description of a client's local learning problem (closed over by the jitted step).
+
+  Attributes:
+    method: one of SSL_METHODS.
+    model: flax module; SSLModel for SSL methods, Classifier for 'supervised'.
+    tx: unit-learning-rate optax transformation (core.optim.make_optimizer).
+    aug: augmentation applied to each view (supervised: to the single view).
+    mean, std: per-channel normalisation after augmentation.
+    input_shape: (H, W, C) of the model input (after augmentation).
+    temperature: NT-Xent temperature (SimCLR).
+    nt_xent_zero_diagonal: the FedU2 code's zero-diagonal NT-Xent quirk.
+    ema_tau: BYOL target EMA rate, target <- tau * target + (1 - tau) * online after every step.
+    reset_optimizer: re-create the optimiser state at the start of every round (EasyFL, FedSC).
+  """
+  method: str
+  model: nn.Module
+  tx: optax.GradientTransformation
+  aug: augment.AugmentConfig
+  mean: Tuple[float, ...]
+  std: Tuple[float, ...]
+  input_shape: Tuple[int, int, int]
+  temperature: float = 0.5
+  nt_xent_zero_diagonal: bool = False
+  ema_tau: float = 0.99
+  reset_optimizer: bool = True
+
+
+def init_client(spec: ClientSpec, key: jax.Array) -> Dict[str, Any]:
+  """Fresh client state (no client axis)."""
+  x = jnp.zeros((2,) + tuple(spec.input_shape), jnp.float32)
+  variables = spec.model.init(key, x, train=False)
+  params = variables['params']
+  batch_stats = variables.get('batch_stats', {})
+  state = {'params': params, 'batch_stats': batch_stats, 'opt_state': spec.tx.init(params),
+           'extras': {'participated': jnp.zeros((), jnp.float32)}}
+  if spec.method == 'byol':
+    state['target'] = target_from_online(params, batch_stats)
+  return state
+
+
+def target_from_online(params, batch_stats) -> Dict[str, Any]:
+  """BYOL target network = copy of the online encoder + projector (no predictor)."""
+  keep = ('encoder', 'projector')
+  return {'params': {k: params[k] for k in keep if k in params},
+          'batch_stats': {k: batch_stats[k] for k in keep if k in batch_stats}}
+
+
+def _views(spec: ClientSpec, key: jax.Array, x_uint8: jax.Array, num_views: int):
+  keys = jax.random.split(key, num_views)
+  return [augment.normalize(augment.augment_batch(k, x_uint8, spec.aug), spec.mean, spec.std)
+          for k in keys]
+
+
+def _apply_train(model, params, batch_stats, x, **kw):
+  """Train-mode forward; returns (outputs, new batch_stats). Each call updates the running
+  statistics once, as each PyTorch forward in train mode does."""
+  out, updates = model.apply({'params': params, 'batch_stats': batch_stats}, x, train=True,
+                             mutable=['batch_stats'], **kw)
+  return out, updates.get('batch_stats', {})
+
+
+def loss_fn(spec: ClientSpec, params, client, batch, key) -> Tuple[jax.Array, Tuple[Any, Any]]:
+  """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats)."""
+  bs = client['batch_stats']
+  if spec.method == 'supervised':
+    (x,) = _views(spec, key, batch['x'], 1)
+    logits, bs = _apply_train(spec.model, params, bs, x)
+    return losses.cross_entropy_loss(logits, batch['y']), (bs, None)
+  v1, v2 = _views(spec, key, batch['x'], 2)
+  with_pred = spec.method in ('byol', 'simsiam')
+  o1, bs = _apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
+  o2, bs = _apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
+  if spec.method == 'simclr':
+    return losses.nt_xent(o1['z'], o2['z'], spec.temperature,
+                          zero_diagonal=spec.nt_xent_zero_diagonal), (bs, None)
+  if spec.method == 'simsiam':
+    return losses.simsiam_loss(o1['p'], o2['p'], o1['z'], o2['z']), (bs, None)
+  target = client['target']
+  tbs = target['batch_stats']
+  t1, tbs = _apply_train(spec.model, target['params'], tbs, v1, with_predictor=False)
+  t2, tbs = _apply_train(spec.model, target['params'], tbs, v2, with_predictor=False)
+  t1, t2 = jax.lax.stop_gradient(t1['z']), jax.lax.stop_gradient(t2['z'])
+  return losses.byol_loss(o1['p'], o2['p'], t1, t2), (bs, tbs)
+
+
+def local_step(spec: ClientSpec, client, batch, key, msg, lr) -> Tuple[Dict[str, Any], jax.Array]:
+  """One SGD/Adam step on one batch (and the BYOL target EMA update after it)."""
+  del msg
+  (loss, (bs, tbs)), grads = jax.value_and_grad(
+      lambda p: loss_fn(spec, p, client, batch, key), has_aux=True)(client['params'])
+  updates, opt_state = spec.tx.update(grads, client['opt_state'], client['params'])
+  params = jax.tree_util.tree_map(lambda p, u: p - lr * u, client['params'], updates)
+  new = dict(client, params=params, batch_stats=bs, opt_state=opt_state)
+  if spec.method == 'byol':
+    online = target_from_online(params, bs)
+    new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
+                                                 spec.ema_tau),
+                     'batch_stats': tbs}
+  return new, loss
+
+
+def begin_round(spec: ClientSpec, client) -> Dict[str, Any]:
+  """Start-of-round bookkeeping every algorithm shares: the optimiser reset."""
+  if spec.reset_optimizer:
+    client = dict(client, opt_state=spec.tx.init(client['params']))
+  return client
+
+
+def replace_modules(tree: Dict[str, Any], source: Dict[str, Any], names) -> Dict[str, Any]:
+  """Copy of `tree` with the top-level entries `names` taken from `source` (where present)."""
+  return dict(tree, **{k: source[k] for k in names if k in source})
+
+
+def encoder_variables(variables: Dict[str, Any]) -> Dict[str, Any]:
+  """{'params', 'batch_stats'} of the backbone alone, from full-model variables."""
+  out = {'params': variables['params']['encoder']}
+  if 'encoder' in variables.get('batch_stats', {}):
+    out['batch_stats'] = variables['batch_stats']['encoder']
+  return out

@@ -1,0 +1,82 @@
+"""Local training of ONE client as a `lax.scan` over a static number of steps.
+
+A client with n examples runs E * steps_per_epoch(n) real steps, steps_per_epoch(n) = max(n // B, 1)
+(drop_last, as the EasyFL / FedU2 codes do; a client with fewer than B examples makes one step per epoch
+over a wrapped-around batch). The scan length is the same for every client (that of n_max); the surplus
+steps of smaller clients are masked no-ops, so E local epochs always mean E passes over that client's own
+data. Batches are read through a fresh permutation of the client's valid rows every epoch; padding rows
+are never read.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.core import rng
+
+
+def steps_per_epoch(n: jax.Array, batch_size: int) -> jax.Array:
+  """int32 number of batches in one epoch of a client with n examples (drop_last, at least one)."""
+  return jnp.maximum(n // batch_size, 1)
+
+
+def max_local_steps(n_max: int, batch_size: int, local_epochs: int) -> int:
+  """Static scan length: the step count of the largest possible client."""
+  return local_epochs * max(n_max // batch_size, 1)
+
+
+def epoch_permutations(ckey: jax.Array, n: jax.Array, n_max: int, local_epochs: int) -> jax.Array:
+  """int32 [E, n_max]: for each epoch a random order whose first n entries permute range(n).
+
+  Padding rows get sort key 2 (> any uniform draw), so they sort to the end and are never read.
+  """
+  def one(epoch):
+    u = jax.random.uniform(rng.epoch_permutation_key(ckey, epoch), (n_max,))
+    u = jnp.where(jnp.arange(n_max) < n, u, 2.0)
+    return jnp.argsort(u).astype(jnp.int32)
+  return jax.vmap(one)(jnp.arange(local_epochs))
+
+
+def batch_indices(perms: jax.Array, step: jax.Array, n: jax.Array, batch_size: int) -> jax.Array:
+  """int32 [B] row indices of local step `step` (epoch = step // spe, batch = step % spe)."""
+  spe = steps_per_epoch(n, batch_size)
+  epoch = jnp.minimum(step // spe, perms.shape[0] - 1)
+  pos = ((step % spe) * batch_size + jnp.arange(batch_size)) % n
+  return perms[epoch, pos]
+
+
+def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, n: jax.Array,
+                 ckey: jax.Array, msg: Any, lr: jax.Array, *, batch_size: int,
+                 local_epochs: int) -> Tuple[Any, jax.Array]:
+  """Runs one client's local training.
+
+  Args:
+    local_step: algorithm step, (client, batch, key, msg, lr) -> (client, loss scalar).
+    client: the client's state pytree (no client axis).
+    x: uint8 [n_max, H, W, C]; y: int32 [n_max]; n: int32 scalar true size.
+    ckey: the client's round key.
+    msg: server broadcast.
+    lr: float32 scalar learning rate of this round.
+  Returns:
+    (client state after training, mean loss over the real steps).
+  """
+  n_max = x.shape[0]
+  num_steps = local_epochs * steps_per_epoch(n, batch_size)
+  perms = epoch_permutations(ckey, n, n_max, local_epochs)
+
+  def step(carry, s):
+    idx = batch_indices(perms, s, n, batch_size)
+    batch = {'x': x[idx], 'y': y[idx]}
+    # Masked no-op: a finished client keeps its state bit-for-bit. `lax.cond` skips the work when
+    # clients run one at a time (strategy 'map' with chunk 1); under vmap it lowers to a select.
+    return jax.lax.cond(
+        s < num_steps,
+        lambda c: local_step(c, batch, rng.step_key(ckey, s), msg, lr),
+        lambda c: (c, jnp.zeros((), jnp.float32)),
+        carry)
+
+  total = max_local_steps(n_max, batch_size, local_epochs)
+  client, losses = jax.lax.scan(step, client, jnp.arange(total))
+  return client, jnp.sum(losses) / num_steps

@@ -1,0 +1,41 @@
+"""Key derivation. Every random draw of a round is a pure function of (round key, client id, step),
+so results never depend on execution order, strategy or which other clients take part."""
+from __future__ import annotations
+
+import jax
+
+# Distinct fold-in tags keep the streams of one client independent of each other.
+_PERMUTATION_STREAM = 0
+_STEP_STREAM = 1
+_BEGIN_STREAM = 2
+
+
+def round_key(root_key: jax.Array, round_idx) -> jax.Array:
+  """Key of round `round_idx` (int or int32 scalar) derived from the run's root key."""
+  return jax.random.fold_in(root_key, round_idx)
+
+
+# Client ids are < 2**32 - 1, so the participant draw never shares a stream with a client.
+_SAMPLING_TAG = 0xFFFFFFFF
+
+
+def sampling_key(rkey: jax.Array) -> jax.Array:
+  """Key used to choose the round's participants."""
+  return jax.random.fold_in(rkey, _SAMPLING_TAG)
+
+
+def client_key(rkey: jax.Array, client_id) -> jax.Array:
+  """Key of client `client_id` in this round: fold_in(round_key, client_id) (the design's rule)."""
+  return jax.random.fold_in(rkey, client_id)
+
+
+def epoch_permutation_key(ckey: jax.Array, epoch) -> jax.Array:
+  return jax.random.fold_in(jax.random.fold_in(ckey, _PERMUTATION_STREAM), epoch)
+
+
+def step_key(ckey: jax.Array, step) -> jax.Array:
+  return jax.random.fold_in(jax.random.fold_in(ckey, _STEP_STREAM), step)
+
+
+def begin_key(ckey: jax.Array) -> jax.Array:
+  return jax.random.fold_in(ckey, _BEGIN_STREAM)

@@ -1,0 +1,347 @@
+"""Dataset sources: the tensorflow-datasets catalog, local IDX files, a synthetic set and the shipped subset.
+
+Every source returns a `types.Dataset` in the project's conventions: uint8 NHWC images, int32 labels,
+per-channel mean/std of train_x / 255.
+
+Sources (`load_dataset(name, source=...)`):
+  'tfds'  `tfds.data_source` (array_record files; works without TensorFlow) for cifar10, cifar100,
+          mnist, fashion_mnist.
+  'idx'   the original MNIST / Fashion-MNIST IDX files in a directory (gzipped or not). Debian's
+          `dataset-fashion-mnist` package installs them in /usr/share/datasets/fashion-mnist, the
+          project's real offline default.
+  'auto'  mnist / fashion_mnist: 'idx' when the IDX files are found (in data_dir, else in the Debian
+          directory), otherwise 'tfds'. Other catalog names: 'tfds'. 'synthetic' and
+          'fashion_mnist_subset' have a single source each, which 'auto' selects.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import pathlib
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from fedjax_ssl.data.types import Dataset
+
+CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist')
+NAMES = CATALOG_NAMES + ('synthetic', 'fashion_mnist_subset')
+SOURCES = ('auto', 'tfds', 'idx')
+IDX_NAMES = ('mnist', 'fashion_mnist')
+
+# Where Debian's `dataset-fashion-mnist` package installs the original IDX files.
+DEBIAN_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
+_DEFAULT_IDX_DIRS = {'fashion_mnist': DEBIAN_FASHION_MNIST_DIR}
+# File stems of the original distributions (the same for MNIST and Fashion-MNIST); '.gz' is optional.
+IDX_FILES = {
+    'train_x': 'train-images-idx3-ubyte',
+    'train_y': 'train-labels-idx1-ubyte',
+    'test_x': 't10k-images-idx3-ubyte',
+    'test_y': 't10k-labels-idx1-ubyte',
+}
+
+SUBSET_ENV_VAR = 'FEDJAX_SSL_SUBSET'
+# sources.py lives in <repo>/fedjax_ssl/data/, the subset in <repo>/tests/data/.
+_DEFAULT_SUBSET_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'tests' / 'data' /
+                        'fashion_mnist_subset.npz')
+
+# IDX type byte -> big-endian numpy dtype (the IDX format stores every multi-byte value big-endian).
+_IDX_DTYPES = {0x08: np.dtype('u1'), 0x09: np.dtype('i1'), 0x0B: np.dtype('>i2'),
+               0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
+_GZIP_MAGIC = b'\x1f\x8b'
+_TFDS_READ_CHUNK = 1024
+_STATS_CHUNK = 1 << 20  # pixels per np.bincount call in channel_stats
+
+_SYNTHETIC_DEFAULTS = dict(num_train=2000, num_test=500, image_shape=(32, 32, 3), num_classes=10,
+                           pattern_size=4, amplitude=60.0, noise=40.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------
+def channel_stats(x: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+  """Per-channel mean and (population) std of uint8 images [N, H, W, C] scaled to [0, 1].
+
+  Computed exactly from a 256-bin histogram per channel, so no float copy of the data is made.
+  """
+  x = np.asarray(x)
+  if x.dtype != np.uint8 or x.ndim != 4:
+    raise ValueError(f'channel_stats expects uint8 [N, H, W, C] images, got {x.dtype} {x.shape}')
+  if x.shape[0] == 0:
+    raise ValueError('channel_stats needs at least one image, got N=0')
+  pixels = x.reshape(-1, x.shape[-1])
+  hist = np.zeros((x.shape[-1], 256), np.int64)
+  # Chunks bound the int64 temporary that np.bincount makes of its uint8 input.
+  for start in range(0, pixels.shape[0], _STATS_CHUNK):
+    chunk = pixels[start:start + _STATS_CHUNK]
+    for c in range(x.shape[-1]):
+      hist[c] += np.bincount(chunk[:, c], minlength=256)
+  values = np.arange(256, dtype=np.float64) / 255.0
+  means, stds = [], []
+  for counts in hist.astype(np.float64):
+    total = counts.sum()
+    mean = float(np.dot(counts, values) / total)
+    var = float(np.dot(counts, (values - mean) ** 2) / total)
+    means.append(mean)
+    stds.append(float(np.sqrt(var)))
+  return tuple(means), tuple(stds)
+
+
+def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Dataset:
+  """Checks dtypes/shapes/label range and attaches the train statistics."""
+  train_x, test_x = np.asarray(train_x), np.asarray(test_x)
+  train_y, test_y = np.asarray(train_y, np.int32), np.asarray(test_y, np.int32)
+  for split, x, y in (('train', train_x, train_y), ('test', test_x, test_y)):
+    if x.dtype != np.uint8 or x.ndim != 4:
+      raise ValueError(f'{name} {split} images must be uint8 [N, H, W, C], got {x.dtype} {x.shape}')
+    if y.shape != (x.shape[0],):
+      raise ValueError(f'{name} {split}: {x.shape[0]} images but labels of shape {y.shape}')
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+      raise ValueError(f'{name} {split} labels must lie in [0, {num_classes}), '
+                       f'got range [{y.min()}, {y.max()}]')
+  if train_x.shape[1:] != test_x.shape[1:]:
+    raise ValueError(f'{name}: train images {train_x.shape[1:]} and test images '
+                     f'{test_x.shape[1:]} differ in shape')
+  mean, std = channel_stats(train_x)
+  return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
+                 num_classes=int(num_classes), mean=mean, std=std)
+
+
+# ----------------------------------------------------------------------------------------------
+# IDX files
+# ----------------------------------------------------------------------------------------------
+def read_idx(path) -> np.ndarray:
+  """Reads one IDX file (gzip-compressed or raw) into a numpy array of its stored shape.
+
+  IDX layout: two zero bytes, a type byte (0x08 uint8, 0x09 int8, 0x0B int16, 0x0C int32,
+  0x0D float32, 0x0E float64), a byte with the number of dimensions d, d big-endian uint32 sizes,
+  then the values in C order, big-endian. Returns native-endian values.
+
+  Raises:
+    ValueError: the file is not a well-formed IDX file (bad magic, unknown type, wrong length).
+  """
+  path = pathlib.Path(path)
+  raw = path.read_bytes()
+  if raw[:2] == _GZIP_MAGIC:
+    raw = gzip.decompress(raw)
+  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
+    raise ValueError(f'{path}: not an IDX file (magic number must start with two zero bytes, '
+                     f'got {raw[:4].hex() or "an empty file"})')
+  type_code, ndim = raw[2], raw[3]
+  if type_code not in _IDX_DTYPES:
+    raise ValueError(f'{path}: unknown IDX type byte 0x{type_code:02x}; allowed: '
+                     f'{", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)}')
+  header_len = 4 + 4 * ndim
+  if len(raw) < header_len:
+    raise ValueError(f'{path}: IDX header announces {ndim} dimensions but the file has only '
+                     f'{len(raw)} bytes')
+  shape = tuple(int(s) for s in np.frombuffer(raw, dtype='>u4', count=ndim, offset=4))
+  dtype = _IDX_DTYPES[type_code]
+  expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  if len(raw) - header_len != expected:
+    raise ValueError(f'{path}: IDX shape {shape} of {dtype} needs {expected} data bytes, '
+                     f'file has {len(raw) - header_len}')
+  data = np.frombuffer(raw, dtype=dtype, offset=header_len).reshape(shape)
+  return data.astype(dtype.newbyteorder('='))
+
+
+def _find_idx_file(directory: pathlib.Path, stem: str) -> Optional[pathlib.Path]:
+  for candidate in (directory / stem, directory / (stem + '.gz')):
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+def _has_idx_files(directory) -> bool:
+  if directory is None or not pathlib.Path(directory).is_dir():
+    return False
+  return all(_find_idx_file(pathlib.Path(directory), s) for s in IDX_FILES.values())
+
+
+def load_idx(directory, name: str = 'fashion_mnist') -> Dataset:
+  """Loads MNIST-style IDX files from `directory` (train/t10k images and labels, optionally .gz).
+
+  Images [N, 28, 28] become uint8 [N, 28, 28, 1]; labels int32 in [0, 10).
+  """
+  directory = pathlib.Path(directory)
+  arrays = {}
+  for key, stem in IDX_FILES.items():
+    path = _find_idx_file(directory, stem)
+    if path is None:
+      raise FileNotFoundError(f'{directory}: missing IDX file {stem}[.gz]; expected '
+                              f'{", ".join(IDX_FILES.values())} (each optionally .gz)')
+    arrays[key] = read_idx(path)
+  for key in ('train_x', 'test_x'):
+    if arrays[key].dtype != np.uint8 or arrays[key].ndim != 3:
+      raise ValueError(f'{directory}: {IDX_FILES[key]} must hold uint8 [N, H, W] images, got '
+                       f'{arrays[key].dtype} {arrays[key].shape}')
+    arrays[key] = arrays[key][..., None]
+  for key in ('train_y', 'test_y'):
+    if arrays[key].ndim != 1:
+      raise ValueError(f'{directory}: {IDX_FILES[key]} must hold 1-D labels, got shape '
+                       f'{arrays[key].shape}')
+  return _make_dataset(name, arrays['train_x'], arrays['train_y'], arrays['test_x'],
+                       arrays['test_y'], num_classes=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# tensorflow-datasets catalog
+# ----------------------------------------------------------------------------------------------
+def _read_examples(ds, keys: Sequence[int]):
+  """Reads examples `keys` from a tfds data source, batched where the source supports it.
+
+  Batched reads (`__getitems__`) let array_record fetch records in parallel. The mock installed by
+  `tfds.testing.mock_data` (tfds 4.9.10) defines a `__getitems__` that cannot be called (it is
+  bound without `self` and raises TypeError), so a TypeError falls back to item-by-item reads; a
+  genuine read/decode error is raised again by the item-by-item path.
+  """
+  getitems = getattr(ds, '__getitems__', None)
+  if getitems is not None:
+    try:
+      return getitems(list(keys))
+    except TypeError:
+      pass
+  return [ds[k] for k in keys]
+
+
+def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
+  """All examples of a tfds data source as (uint8 [N, H, W, C], int32 [N]); 'label' is the target."""
+  n = len(ds)
+  x = np.empty((n,) + tuple(image_shape), np.uint8)
+  y = np.empty((n,), np.int32)
+  for start in range(0, n, _TFDS_READ_CHUNK):
+    keys = range(start, min(n, start + _TFDS_READ_CHUNK))
+    for i, example in zip(keys, _read_examples(ds, keys)):
+      x[i] = example['image']
+      y[i] = example['label']
+  return x, y
+
+
+def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
+  """Loads a catalog dataset through `tfds.data_source` (no TensorFlow needed).
+
+  For cifar100 the target is the fine 'label' (100 classes), not 'coarse_label'.
+  `download=True` lets tfds fetch/prepare the dataset into `data_dir` when it is not there yet.
+  """
+  if name not in CATALOG_NAMES:
+    raise ValueError(f'unknown tfds dataset {name!r}; allowed: {CATALOG_NAMES}')
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  splits = {}
+  for split in ('train', 'test'):
+    ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
+    features = ds.dataset_info.features
+    splits[split] = _read_split(ds, features['image'].shape)
+    num_classes = features['label'].num_classes
+  return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic data and the shipped subset
+# ----------------------------------------------------------------------------------------------
+def make_synthetic(seed: int = 0, *, num_train: int = 2000, num_test: int = 500,
+                   image_shape=(32, 32, 3), num_classes: int = 10, pattern_size: int = 4,
+                   amplitude: float = 60.0, noise: float = 40.0) -> Dataset:
+  """A deterministic labelled image set for unit tests.
+
+  Each class owns a smooth random pattern (a pattern_size x pattern_size x C Gaussian grid, upsampled
+  to H x W by pixel repetition). An image is clip(128 + amplitude * pattern[y] + noise * N(0, 1))
+  in uint8, so classes differ in their mean image and a linear probe separates them. Labels are
+  balanced (i % num_classes) and shuffled. Train and test share the patterns, not the noise.
+  """
+  image_shape = tuple(int(s) for s in image_shape)
+  if len(image_shape) != 3 or min(image_shape) < 1:
+    raise ValueError(f'image_shape must be (H, W, C) with positive sizes, got {image_shape}')
+  for arg, value, low in (('num_train', num_train, 1), ('num_test', num_test, 1),
+                          ('num_classes', num_classes, 2), ('pattern_size', pattern_size, 1)):
+    if int(value) != value or value < low:
+      raise ValueError(f'{arg} must be an integer >= {low}, got {value}')
+  if amplitude < 0 or noise < 0:
+    raise ValueError(f'amplitude and noise must be >= 0, got {amplitude}, {noise}')
+  h, w, c = image_shape
+  rng = np.random.default_rng(seed)
+  grid = rng.standard_normal((num_classes, pattern_size, pattern_size, c))
+  reps_h, reps_w = -(-h // pattern_size), -(-w // pattern_size)
+  patterns = np.repeat(np.repeat(grid, reps_h, axis=1), reps_w, axis=2)[:, :h, :w, :]
+
+  def draw(n):
+    y = rng.permutation(np.arange(n) % num_classes).astype(np.int32)
+    x = 128.0 + amplitude * patterns[y] + noise * rng.standard_normal((n, h, w, c))
+    return np.clip(np.rint(x), 0, 255).astype(np.uint8), y
+
+  train_x, train_y = draw(num_train)
+  test_x, test_y = draw(num_test)
+  return _make_dataset('synthetic', train_x, train_y, test_x, test_y, num_classes)
+
+
+def subset_path() -> pathlib.Path:
+  """Path of the shipped Fashion-MNIST subset: $FEDJAX_SSL_SUBSET, else <repo>/tests/data/."""
+  env = os.environ.get(SUBSET_ENV_VAR)
+  return pathlib.Path(env) if env else _DEFAULT_SUBSET_PATH
+
+
+def load_subset(path=None) -> Dataset:
+  """The shipped stratified Fashion-MNIST subset (tests/data/make_subset.py): 3,000 train
+  (300 per class) and 1,000 test (100 per class) images, uint8 [N, 28, 28, 1]."""
+  path = pathlib.Path(path) if path is not None else subset_path()
+  if not path.is_file():
+    raise FileNotFoundError(f'Fashion-MNIST subset not found at {path}; it ships in the repository '
+                            f'as tests/data/fashion_mnist_subset.npz, or set ${SUBSET_ENV_VAR}')
+  with np.load(path) as f:
+    arrays = {k: f[k] for k in ('train_x', 'train_y', 'test_x', 'test_y')}
+  return _make_dataset('fashion_mnist_subset', arrays['train_x'], arrays['train_y'],
+                       arrays['test_x'], arrays['test_y'], num_classes=10)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+def _check_kwargs(name, kw, allowed):
+  unknown = sorted(set(kw) - set(allowed))
+  if unknown:
+    raise ValueError(f'load_dataset({name!r}) got unknown keyword(s) {unknown}; '
+                     f'allowed: {sorted(allowed)}')
+
+
+def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, **kw) -> Dataset:
+  """Loads dataset `name` as a `Dataset` (uint8 NHWC images, int32 labels, train mean/std).
+
+  Args:
+    name: one of NAMES.
+    source: one of SOURCES (see the module docstring); 'synthetic' and 'fashion_mnist_subset'
+      accept only 'auto'.
+    data_dir: tfds data directory ('tfds') or directory holding the IDX files ('idx'); for
+      'fashion_mnist_subset', an optional path to the npz file.
+    seed: seed of the synthetic data (other sources are fixed files and ignore it).
+    **kw: 'tfds': download (bool). 'synthetic': num_train, num_test, image_shape, num_classes,
+      pattern_size, amplitude, noise.
+  """
+  if name not in NAMES:
+    raise ValueError(f'unknown dataset name {name!r}; allowed: {NAMES}')
+  if source not in SOURCES:
+    raise ValueError(f'unknown source {source!r}; allowed: {SOURCES}')
+  if name in ('synthetic', 'fashion_mnist_subset'):
+    if source != 'auto':
+      raise ValueError(f'dataset {name!r} has a single source; use source="auto", got {source!r}')
+    if name == 'synthetic':
+      _check_kwargs(name, kw, _SYNTHETIC_DEFAULTS)
+      return make_synthetic(seed, **kw)
+    _check_kwargs(name, kw, ())
+    return load_subset(data_dir)
+
+  if source == 'idx' and name not in IDX_NAMES:
+    raise ValueError(f'source="idx" supports {IDX_NAMES}, not {name!r}')
+  if source == 'auto':
+    if name in IDX_NAMES and _has_idx_files(data_dir):
+      source = 'idx'
+    elif name in IDX_NAMES and data_dir is None and _has_idx_files(_DEFAULT_IDX_DIRS.get(name)):
+      source, data_dir = 'idx', _DEFAULT_IDX_DIRS[name]
+    else:
+      source = 'tfds'
+  if source == 'idx':
+    _check_kwargs(name, kw, ())
+    directory = data_dir if data_dir is not None else _DEFAULT_IDX_DIRS.get(name)
+    if directory is None:
+      raise ValueError(f'source="idx" for {name!r} needs data_dir (no default IDX directory)')
+    return load_idx(directory, name)
+  _check_kwargs(name, kw, ('download',))
+  return load_tfds(name, data_dir=data_dir, download=kw.get('download', True))

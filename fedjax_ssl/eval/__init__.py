@@ -1,0 +1,11 @@
+"""Evaluation: feature extraction, linear probe, kNN monitor, semi-supervised fine-tuning."""
+from fedjax_ssl.eval.features import extract_features
+from fedjax_ssl.eval.features import extract_features_stacked
+from fedjax_ssl.eval.features import normalize_images
+from fedjax_ssl.eval.finetune import class_balanced_subset
+from fedjax_ssl.eval.finetune import semi_supervised_finetune
+from fedjax_ssl.eval.finetune import semi_supervised_finetune_stack
+from fedjax_ssl.eval.knn import knn_monitor
+from fedjax_ssl.eval.knn import knn_predict
+from fedjax_ssl.eval.probe import linear_probe
+from fedjax_ssl.eval.probe import linear_probe_stack

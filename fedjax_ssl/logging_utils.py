@@ -1,0 +1,196 @@
+"""Per-round metrics logging (JSONL + TensorBoard) and a tqdm progress bar.
+
+``<workdir>/metrics.jsonl`` holds one JSON object per line,
+``{"round": r, "<metric>": value, ...}``; TensorBoard event files (written by
+tensorboardX, no TensorFlow needed) go to ``<workdir>/tb``. On resume from a
+checkpoint taken at round ``r`` call ``truncate_after(r)`` before writing, so
+the log of an interrupted-and-resumed run equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import tempfile
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+METRICS_FILE = 'metrics.jsonl'
+TB_DIR = 'tb'
+
+
+def to_python_scalar(key: str, value: Any) -> int | float:
+  """Converts a python/numpy/jax scalar (0-d array) to a python int or float.
+
+  Integer and bool values give an int (exact counters such as bytes sent),
+  every other real value a float. Raises ValueError naming ``key`` for
+  non-scalars and non-numbers.
+  """
+  if isinstance(value, numbers.Integral):  # python int/bool, numpy integer
+    return int(value)
+  if isinstance(value, numbers.Real):  # python float, numpy floating
+    return float(value)
+  if hasattr(value, 'shape') and hasattr(value, 'dtype'):  # numpy / jax arrays
+    array = np.asarray(value)
+    if array.ndim != 0:
+      raise ValueError(
+          f'metric {key!r} has shape {array.shape}: only scalars can be logged')
+    if array.dtype.kind in 'iub':
+      return int(array)
+    if array.dtype.kind == 'f':
+      return float(array)
+    if array.dtype.kind == 'V':  # ml_dtypes floats (bfloat16, ...) or structured
+      try:
+        return float(array)
+      except TypeError:
+        pass
+  raise ValueError(
+      f'metric {key!r} = {value!r} of type {type(value).__name__} is not a real scalar')
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = '') -> dict[str, int | float]:
+  """Flattens nested dicts to ``'outer/inner'`` keys of python scalars."""
+  flat = {}
+  for key, value in metrics.items():
+    name = f'{prefix}{key}'
+    if isinstance(value, Mapping):
+      flat.update(flatten_metrics(value, prefix=f'{name}/'))
+    else:
+      flat[name] = to_python_scalar(name, value)
+  return flat
+
+
+def read_metrics(path: str) -> list[dict]:
+  """Reads a metrics JSONL file into a list of dicts, in file order.
+
+  A final line without its newline that does not parse is a write torn by a
+  kill and is skipped; any other unparsable line raises ValueError.
+  """
+  with open(path, encoding='utf-8') as f:
+    text = f.read()
+  lines = text.split('\n')
+  records = []
+  for lineno, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if lineno == len(lines):  # last piece, no trailing newline: torn write
+        break
+      raise ValueError(f'{path}:{lineno} is not a JSON object: {e}') from e
+  return records
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` via a temporary file + os.replace (atomic on POSIX)."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+class MetricsWriter:
+  """Appends per-round scalar metrics to ``metrics.jsonl`` and TensorBoard."""
+
+  def __init__(self, workdir: str):
+    os.makedirs(workdir, exist_ok=True)
+    self.workdir = workdir
+    self.jsonl_path = os.path.join(workdir, METRICS_FILE)
+    self.tb_dir = os.path.join(workdir, TB_DIR)
+    self._tb: SummaryWriter | None = None
+    # Set by truncate_after: the next event file tells TensorBoard to hide
+    # older events with step >= purge_step (tensorboardX `purge_step`).
+    self._purge_step: int | None = None
+
+  def _tb_writer(self) -> SummaryWriter:
+    if self._tb is None:
+      # tensorboardX names event files by the second and opens them with 'wb':
+      # a second writer within the same second would overwrite the first file.
+      # The nanosecond suffix keeps names unique and in creation order.
+      self._tb = SummaryWriter(self.tb_dir, purge_step=self._purge_step,
+                               filename_suffix=f'.{time.time_ns()}')
+    return self._tb
+
+  def write(self, round_idx: int, metrics: Mapping[str, Any]) -> dict:
+    """Logs ``metrics`` for ``round_idx``; returns the JSON record written.
+
+    Values may be python/numpy/jax scalars; nested dicts become ``'a/b'`` keys.
+    Non-finite floats are kept (JSON ``NaN``/``Infinity``, which
+    ``read_metrics`` reads back) because a diverged loss must be visible.
+    """
+    if 'round' in metrics:
+      raise ValueError("metrics must not contain the reserved key 'round'")
+    round_idx = to_python_scalar('round', round_idx)
+    if not isinstance(round_idx, int):
+      raise ValueError(f'round_idx = {round_idx!r} is invalid: must be an integer')
+    record = {'round': round_idx, **flatten_metrics(metrics)}
+    # One write() of one complete line, flushed: a kill leaves at most a torn
+    # last line, which read_metrics/truncate_after drop.
+    with open(self.jsonl_path, 'a', encoding='utf-8') as f:
+      f.write(json.dumps(record) + '\n')
+    tb = self._tb_writer()
+    for key, value in record.items():
+      if key != 'round':
+        tb.add_scalar(key, value, global_step=round_idx)
+    tb.flush()
+    return record
+
+  def truncate_after(self, round_idx: int) -> None:
+    """Drops every logged record with ``round > round_idx`` (call on resume).
+
+    The JSONL file is rewritten atomically (temporary file + os.replace);
+    TensorBoard events of later rounds are hidden through a ``purge_step``
+    marker in the next event file. ``round_idx = -1`` clears the log (a fresh
+    start in a used workdir).
+    """
+    if os.path.exists(self.jsonl_path):
+      kept = [r for r in read_metrics(self.jsonl_path) if r['round'] <= round_idx]
+      _atomic_write_text(self.jsonl_path, ''.join(json.dumps(r) + '\n' for r in kept))
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    self._purge_step = round_idx + 1
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> MetricsWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class Progress(tqdm.tqdm):
+  """tqdm bar with ``set_metrics`` for a live loss display."""
+
+  def set_metrics(self, metrics: Mapping[str, Any], refresh: bool = True) -> None:
+    """Shows ``metrics`` (jax/numpy scalars allowed) as the bar's postfix."""
+    self.set_postfix(flatten_metrics(metrics), refresh=refresh)
+
+
+def progress(total: int, initial: int = 0, desc: str = 'rounds',
+             disable: bool | None = None, **tqdm_kwargs) -> Progress:
+  """A progress bar over rounds ``initial..total`` (``initial`` > 0 on resume).
+
+  ``disable=None`` (tqdm's convention) hides the bar when stderr is not a TTY
+  (batch logs); the returned object then still accepts update/set_metrics.
+  """
+  return Progress(total=total, initial=initial, desc=desc, disable=disable,
+                  dynamic_ncols=True, **tqdm_kwargs)

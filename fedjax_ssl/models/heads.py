@@ -1,0 +1,82 @@
+"""Projector / predictor heads and the two model wrappers the engine trains.
+
+Submodule names are part of the contract: the engine averages, copies and EMA-tracks parameter
+subtrees by them ('encoder', 'projector', 'predictor' for SSLModel; 'encoder', 'head' for
+Classifier). The BYOL target is the {'encoder', 'projector'} subtree applied with
+with_predictor=False.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import flax.linen as nn
+import jax
+
+from fedjax_ssl.models import layers
+
+
+class MLPHead(nn.Module):
+  """Dense(hidden) -> [BatchNorm] -> ReLU -> Dense(out): [B, din] -> [B, out]."""
+  hidden: int
+  out: int
+  use_bn: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    x = layers.Dense(self.hidden, name='fc1')(x)
+    if self.use_bn:
+      x = layers.BatchNorm(use_running_average=not train, name='bn')(x)
+    return layers.Dense(self.out, name='fc2')(nn.relu(x))
+
+
+# Head sizes of the reference codes (projector, predictor), all taking the 512-d backbone output
+# (the predictor takes the projector output):
+#   easyfl: EasyFL BYOL/SimSiam (Hetero-SSFL, FedU, FedEMA baselines) 512-4096(BN)-2048, 2048-4096(BN)-2048
+#   fedu2:  FedU2 code, 512-2048(BN)-512 for both
+#   fedsc:  FedSC code, projector 512-1024-512 without BN; BYOL-family predictor 512-1024-512 without BN
+HEAD_PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
+    'easyfl': {'projector': dict(hidden=4096, out=2048, use_bn=True),
+               'predictor': dict(hidden=4096, out=2048, use_bn=True)},
+    'fedu2': {'projector': dict(hidden=2048, out=512, use_bn=True),
+              'predictor': dict(hidden=2048, out=512, use_bn=True)},
+    'fedsc': {'projector': dict(hidden=1024, out=512, use_bn=False),
+              'predictor': dict(hidden=1024, out=512, use_bn=False)},
+}
+
+
+def make_heads(preset: str, with_predictor: bool = True) -> Tuple[MLPHead, Optional[MLPHead]]:
+  """(projector, predictor or None) for a HEAD_PRESETS name."""
+  if preset not in HEAD_PRESETS:
+    raise ValueError(f'head preset {preset!r}; allowed: {sorted(HEAD_PRESETS)}')
+  cfg = HEAD_PRESETS[preset]
+  return MLPHead(**cfg['projector']), (MLPHead(**cfg['predictor']) if with_predictor else None)
+
+
+class SSLModel(nn.Module):
+  """encoder -> projector -> predictor.
+
+  __call__(x [B,H,W,C], train, with_predictor=True) -> dict with
+    h: [B, d] backbone features, z: [B, dz] projector output (= h without a projector),
+    p: [B, dp] predictor output, present only if with_predictor and a predictor exists.
+  """
+  encoder: nn.Module
+  projector: Optional[MLPHead] = None
+  predictor: Optional[MLPHead] = None
+
+  def __call__(self, x: jax.Array, train: bool, with_predictor: bool = True) -> Dict[str, jax.Array]:
+    h = self.encoder(x, train)
+    z = h if self.projector is None else self.projector(h, train)
+    out = {'h': h, 'z': z}
+    if with_predictor and self.predictor is not None:
+      out['p'] = self.predictor(z, train)
+    return out
+
+
+class Classifier(nn.Module):
+  """encoder -> Dense(num_classes) ('head'): [B,H,W,C] -> logits [B, num_classes]."""
+  encoder: nn.Module
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    return layers.Dense(self.num_classes, name='head')(self.encoder(x, train))

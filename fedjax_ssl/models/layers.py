@@ -1,0 +1,221 @@
+"""Layers shared by every encoder: a 2-D convolution with a selectable implementation, a Dense
+layer, PyTorch-default initialisers, pooling and the project's BatchNorm settings.
+
+Why a custom convolution: on XLA:CPU convolutions are slow, and a convolution whose kernel is
+batched by `jax.vmap` over per-client weights lowers to a grouped convolution, which is slower
+still. The 'im2col' implementation extracts the kh*kw shifted (strided) views of the padded input
+with plain slices and contracts them with the kernel in ONE matmul, which XLA:CPU runs as a
+(batched) GEMM. Both implementations read the same 'kernel' [kh, kw, cin, cout] (HWIO, like
+flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable between them.
+
+Initialisation follows PyTorch's defaults, because every reference code the specs reproduce
+(repshare, FedSC, EasyFL, FedU2) is PyTorch with default-initialised Conv2d/Linear layers:
+weights ~ U(+-1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5)) and biases ~ U(+-1/sqrt(fan_in)).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+CONV_IMPLS = ('auto', 'xla', 'im2col')
+
+Initializer = Callable[..., jax.Array]
+PaddingLike = Union[str, int, Sequence[Union[int, Tuple[int, int]]]]
+
+# kaiming_uniform(a=sqrt(5)) as used by torch.nn.Conv2d / nn.Linear: gain^2 = 2 / (1 + 5) = 1/3,
+# bound = gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in), which is variance_scaling(1/3, fan_in, uniform).
+# For an HWIO kernel flax computes fan_in = kh * kw * cin, as PyTorch does.
+torch_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, 'fan_in', 'uniform')
+
+# PyTorch defaults for BatchNorm{1,2}d: momentum 0.1 (flax keeps 1 - 0.1 of the old statistic),
+# eps 1e-5. Flax stores the biased batch variance in the running 'var' (PyTorch the unbiased one;
+# the factor n/(n-1) is negligible for the batch sizes used here).
+BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+
+
+def torch_bias_init(fan_in: int) -> Initializer:
+  """PyTorch's default bias initialiser U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for a layer with `fan_in` inputs."""
+  bound = 1.0 / float(np.sqrt(fan_in))
+
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+  return init
+
+
+def resolve_conv_impl(conv_impl: str) -> str:
+  """Maps `conv_impl` to 'xla' or 'im2col'; 'auto' picks 'im2col' on the CPU backend, else 'xla'.
+
+  Resolved at trace time, so the same module definition is fast on CPU and uses cuDNN/TPU
+  convolutions elsewhere.
+  """
+  if conv_impl not in CONV_IMPLS:
+    raise ValueError(f'conv_impl={conv_impl!r}; allowed: {CONV_IMPLS}')
+  if conv_impl == 'auto':
+    return 'im2col' if jax.default_backend() == 'cpu' else 'xla'
+  return conv_impl
+
+
+def _pair(value: Union[int, Sequence[int]], name: str) -> Tuple[int, int]:
+  if isinstance(value, (int, np.integer)):
+    return (int(value), int(value))
+  value = tuple(int(v) for v in value)
+  if len(value) != 2:
+    raise ValueError(f'{name}={value!r}; expected an int or a pair of ints (2-D convolution)')
+  return value
+
+
+def conv_padding(padding: PaddingLike, in_hw: Tuple[int, int], kernel_hw: Tuple[int, int],
+                 strides: Tuple[int, int]) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+  """Explicit ((top, bottom), (left, right)) padding for a 2-D convolution.
+
+  padding: 'SAME' / 'VALID' (lax semantics: SAME puts the odd extra pixel at the end), an int
+  (symmetric, like PyTorch's `padding=p`), a pair of ints (symmetric per dimension) or a pair of
+  (low, high) pairs. Note PyTorch's padding=k//2 with stride 2 differs from 'SAME' on even inputs.
+  """
+  if isinstance(padding, str):
+    if padding.upper() not in ('SAME', 'VALID'):
+      raise ValueError(f"padding={padding!r}; allowed: 'SAME', 'VALID', an int, or explicit pairs")
+    pads = jax.lax.padtype_to_pads(in_hw, kernel_hw, strides, padding.upper())
+    return tuple((int(lo), int(hi)) for lo, hi in pads)
+  if isinstance(padding, (int, np.integer)):
+    pads = ((int(padding),) * 2,) * 2
+  else:
+    padding = tuple(padding)
+    if len(padding) != 2:
+      raise ValueError(f'padding={padding!r}; expected 2 entries (one per spatial dimension)')
+    pads = []
+    for p in padding:
+      if isinstance(p, (int, np.integer)):
+        pads.append((int(p), int(p)))
+      elif len(tuple(p)) == 2:
+        pads.append(tuple(int(v) for v in p))
+      else:
+        raise ValueError(f'padding entry {p!r}; expected an int or a (low, high) pair')
+    pads = tuple(pads)
+  if min(min(p) for p in pads) < 0:
+    raise ValueError(f'padding={padding!r}; negative padding is not supported')
+  return pads
+
+
+def im2col_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
+                pads: Tuple[Tuple[int, int], Tuple[int, int]]) -> jax.Array:
+  """Convolution (cross-correlation, like lax/PyTorch) as patch extraction + one matmul.
+
+  Args:
+    x: [B, H, W, cin] input.
+    kernel: [kh, kw, cin, cout] (HWIO).
+    strides: (sh, sw).
+    pads: ((top, bottom), (left, right)) non-negative explicit padding.
+  Returns:
+    [B, Ho, Wo, cout] with Ho = (H + top + bottom - kh) // sh + 1 (likewise Wo).
+
+  The patches are strided slices x_pad[:, i : i + sh*(Ho-1) + 1 : sh, j : ..., :] for every kernel
+  offset (i, j), concatenated on the channel axis in (i, j, c) order, which is exactly the row
+  order of kernel.reshape(kh * kw * cin, cout). A 1x1 kernel is a single slice (no concatenation).
+  """
+  kh, kw, cin, cout = kernel.shape
+  sh, sw = strides
+  if any(p != (0, 0) for p in pads):
+    x = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+  hp, wp = x.shape[1], x.shape[2]
+  ho, wo = (hp - kh) // sh + 1, (wp - kw) // sw + 1
+  if ho < 1 or wo < 1:
+    raise ValueError(f'padded input {hp}x{wp} is smaller than the kernel {kh}x{kw}')
+  patches = [x[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :]
+             for i in range(kh) for j in range(kw)]
+  cols = patches[0] if len(patches) == 1 else jnp.concatenate(patches, axis=-1)
+  return jnp.dot(cols, kernel.reshape(kh * kw * cin, cout))
+
+
+class Conv(nn.Module):
+  """2-D convolution over NHWC input, parameter-compatible with flax `nn.Conv`.
+
+  Differences from nn.Conv: 2-D only (an int kernel_size means a square kernel, not a 1-D one),
+  no dilation / feature groups, and PyTorch-default initialisers.
+
+  Attributes:
+    features: output channels.
+    kernel_size: int (square) or (kh, kw).
+    strides: int or (sh, sw).
+    padding: 'SAME' | 'VALID' | int | per-dimension ints | ((top, bottom), (left, right)).
+    use_bias: add a 'bias' [features] parameter.
+    kernel_init: initialiser of 'kernel' [kh, kw, cin, features]; PyTorch default.
+    bias_init: initialiser of 'bias'; None = PyTorch default U(+-1/sqrt(kh*kw*cin)).
+    conv_impl: 'auto' | 'xla' (lax.conv_general_dilated) | 'im2col' (slices + one matmul).
+  Input [..., H, W, cin] float; output [..., Ho, Wo, features].
+  """
+  features: int
+  kernel_size: Union[int, Sequence[int]]
+  strides: Union[int, Sequence[int]] = 1
+  padding: PaddingLike = 'SAME'
+  use_bias: bool = True
+  kernel_init: Initializer = torch_kernel_init
+  bias_init: Optional[Initializer] = None
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    impl = resolve_conv_impl(self.conv_impl)
+    kh, kw = _pair(self.kernel_size, 'kernel_size')
+    strides = _pair(self.strides, 'strides')
+    if x.ndim < 3:
+      raise ValueError(f'Conv input must be [..., H, W, C]; got shape {x.shape}')
+    lead, (h, w, cin) = x.shape[:-3], x.shape[-3:]
+    pads = conv_padding(self.padding, (h, w), (kh, kw), strides)
+    kernel = self.param('kernel', self.kernel_init, (kh, kw, cin, self.features), jnp.float32)
+    x4 = x.reshape((-1, h, w, cin))
+    if impl == 'xla':
+      y = jax.lax.conv_general_dilated(x4, kernel, strides, pads,
+                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+    else:
+      y = im2col_conv(x4, kernel, strides, pads)
+    if self.use_bias:
+      bias_init = self.bias_init or torch_bias_init(kh * kw * cin)
+      y = y + self.param('bias', bias_init, (self.features,), jnp.float32)
+    return y.reshape(lead + y.shape[1:])
+
+
+class Dense(nn.Module):
+  """Fully-connected layer, parameter-compatible with flax `nn.Dense` ('kernel' [din, features], 'bias').
+
+  Defaults to PyTorch nn.Linear initialisation (kernel and bias U(+-1/sqrt(din))).
+  """
+  features: int
+  use_bias: bool = True
+  kernel_init: Initializer = torch_kernel_init
+  bias_init: Optional[Initializer] = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    din = x.shape[-1]
+    kernel = self.param('kernel', self.kernel_init, (din, self.features), jnp.float32)
+    y = jnp.dot(x, kernel)
+    if self.use_bias:
+      bias_init = self.bias_init or torch_bias_init(din)
+      y = y + self.param('bias', bias_init, (self.features,), jnp.float32)
+    return y
+
+
+def max_pool(x: jax.Array, window: int = 2) -> jax.Array:
+  """Non-overlapping max pooling (PyTorch MaxPool2d(window), floor mode) on [B, H, W, C].
+
+  Implemented as crop + reshape + max: cheaper than reduce_window on CPU, and its gradient avoids
+  select_and_scatter. Trailing rows/columns that do not fill a window are dropped, as in PyTorch.
+  """
+  b, h, w, c = x.shape
+  ho, wo = h // window, w // window
+  if ho < 1 or wo < 1:
+    raise ValueError(f'max_pool window {window} larger than the input {h}x{w}')
+  x = x[:, :ho * window, :wo * window, :]
+  return x.reshape(b, ho, window, wo, window, c).max(axis=(2, 4))
+
+
+def global_avg_pool(x: jax.Array) -> jax.Array:
+  """[B, H, W, C] -> [B, C] mean over space (PyTorch AdaptiveAvgPool2d(1) + flatten)."""
+  return jnp.mean(x, axis=(1, 2))

@@ -1,0 +1,108 @@
+"""Feature extractors phi of "Scalable Collaborative Learning via Representation Sharing"
+(specs/repshare.md §2.2), layer for layer as in the author code.
+
+Each returns d' features in [-1, 1] (feature layer Linear -> Tanh). The classifier tau =
+Linear(d' -> C) is `heads.Classifier`'s 'head'. PyTorch parameter counts (BN weight and bias
+counted, running statistics not) with the 10-way classifier:
+
+  lenet5            MNIST  28x28x1, d'=84:   30,986   (phi 30,136)
+  resnet9           FMNIST 28x28x1, d'=128:  2,470,730
+  resnet18_repshare CIFAR  32x32x3, d'=256:  11,302,730
+
+The ResNets use the author's non-standard block, relu(BN2(conv2(relu(BN1(conv1 x))))) + shortcut(x):
+the ReLU comes before the residual add and there is none after it.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.models import layers
+
+
+class RepShareBlock(nn.Module):
+  """Author ResBlock: [B,H,W,Cin] -> [B,H/s,W/s,planes]; 1x1 conv + BN shortcut when strides != 1."""
+  planes: int
+  strides: int = 1
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
+                                             conv_impl=self.conv_impl, name=name)
+    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
+    out = nn.relu(bn('bn1')(conv(self.planes, 3, self.strides, 'conv1')(x)))
+    out = nn.relu(bn('bn2')(conv(self.planes, 3, 1, 'conv2')(out)))
+    shortcut = x
+    if self.strides != 1:
+      shortcut = bn('shortcut_bn')(conv(self.planes, 1, self.strides, 'shortcut_conv')(x))
+    return out + shortcut
+
+
+def _check_nhwc(x: jax.Array) -> None:
+  if x.ndim != 4:
+    raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+
+
+class LeNet5(nn.Module):
+  """LeNet5 phi: [B, 28, 28, 1] -> [B, 84] (Tanh). Convs and linears have biases, no BN."""
+  feature_dim: int = 84
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    del train  # no BN / dropout
+    _check_nhwc(x)
+    conv = lambda f, k, name: layers.Conv(f, k, 1, padding=k // 2, conv_impl=self.conv_impl, name=name)
+    x = layers.max_pool(nn.relu(conv(6, 5, 'conv1')(x)))
+    x = layers.max_pool(nn.relu(conv(16, 5, 'conv2')(x)))
+    x = layers.global_avg_pool(nn.relu(conv(120, 3, 'conv3')(x)))
+    return jnp.tanh(layers.Dense(self.feature_dim, name='feature_layer')(x))
+
+
+class ResNet9(nn.Module):
+  """repshare ResNet9 phi: [B, 28, 28, 1] -> [B, 128] (Tanh). Spatial 28 -> 14 -> 7 -> 3 -> 1."""
+  feature_dim: int = 128
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    _check_nhwc(x)
+
+    def conv_bn_relu(x, f, name):
+      x = layers.Conv(f, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name=f'{name}_conv')(x)
+      return nn.relu(layers.BatchNorm(use_running_average=not train, name=f'{name}_bn')(x))
+
+    x = conv_bn_relu(x, 64, 'prep')
+    x = layers.max_pool(conv_bn_relu(x, 128, 'layer1'))
+    x = RepShareBlock(128, conv_impl=self.conv_impl, name='res1')(x, train)
+    x = layers.max_pool(conv_bn_relu(x, 256, 'layer2'))
+    x = layers.max_pool(conv_bn_relu(x, 256, 'layer3'))
+    x = RepShareBlock(256, conv_impl=self.conv_impl, name='res2')(x, train)
+    x = layers.global_avg_pool(layers.max_pool(x))
+    return jnp.tanh(layers.Dense(self.feature_dim, name='feature_layer')(x))
+
+
+# (planes, stride) of the eight blocks of the repshare ResNet18.
+RESNET18_BLOCKS: Tuple[Tuple[int, int], ...] = (
+    (64, 1), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2), (512, 1))
+
+
+class RepShareResNet18(nn.Module):
+  """repshare ResNet18 phi: [B, 32, 32, 3] -> [B, 256] (Tanh); CIFAR stem, no max-pool."""
+  feature_dim: int = 256
+  blocks: Sequence[Tuple[int, int]] = RESNET18_BLOCKS
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    _check_nhwc(x)
+    x = layers.Conv(64, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name='conv1')(x)
+    x = nn.relu(layers.BatchNorm(use_running_average=not train, name='bn1')(x))
+    for i, (planes, strides) in enumerate(self.blocks):
+      x = RepShareBlock(planes, strides, conv_impl=self.conv_impl, name=f'block{i}')(x, train)
+    x = layers.global_avg_pool(x)
+    return jnp.tanh(layers.Dense(self.feature_dim, name='feature_layer')(x))

@@ -1,0 +1,99 @@
+"""CIFAR-style ResNets (EasyFL / FedU2 / FedSC code layout): 3x3 stride-1 stem, no max-pool,
+four stages of 64/128/256/512 channels with strides 1/2/2/2, projection shortcut (1x1 conv + BN)
+whenever the stride or the width changes, global average pooling, no fc (fc = Identity).
+
+  resnet18: BasicBlock [2, 2, 2, 2] -> 512-d   (11,168,832 parameters, BN gamma/beta included)
+  resnet34: BasicBlock [3, 4, 6, 3] -> 512-d
+  resnet50: Bottleneck [3, 4, 6, 3] -> 2048-d (the standard ResNet-50)
+
+FedSC's code calls BasicBlock [3, 4, 6, 3] "resnet50"; that network is `resnet34` here.
+Padding is PyTorch's symmetric k//2 (not 'SAME'), so stride-2 windows are centred like PyTorch's.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+
+from fedjax_ssl.models import layers
+
+BLOCKS = ('basic', 'bottleneck')
+
+
+class BasicBlock(nn.Module):
+  """relu(BN(conv3x3(relu(BN(conv3x3_stride(x))))) + shortcut(x)); [B,H,W,Cin] -> [B,H/s,W/s,planes]."""
+  planes: int
+  strides: int = 1
+  conv_impl: str = 'auto'
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
+                                             conv_impl=self.conv_impl, name=name)
+    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
+    out = nn.relu(bn('bn1')(conv(self.planes, 3, self.strides, 'conv1')(x)))
+    out = bn('bn2')(conv(self.planes, 3, 1, 'conv2')(out))
+    shortcut = x
+    if self.strides != 1 or x.shape[-1] != self.planes:
+      shortcut = bn('shortcut_bn')(conv(self.planes, 1, self.strides, 'shortcut_conv')(x))
+    return nn.relu(out + shortcut)
+
+
+class Bottleneck(nn.Module):
+  """1x1 -> 3x3 (stride) -> 1x1 (x4) bottleneck; [B,H,W,Cin] -> [B,H/s,W/s,4*planes]."""
+  planes: int
+  strides: int = 1
+  conv_impl: str = 'auto'
+  expansion = 4
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
+                                             conv_impl=self.conv_impl, name=name)
+    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
+    out_planes = self.expansion * self.planes
+    out = nn.relu(bn('bn1')(conv(self.planes, 1, 1, 'conv1')(x)))
+    out = nn.relu(bn('bn2')(conv(self.planes, 3, self.strides, 'conv2')(out)))
+    out = bn('bn3')(conv(out_planes, 1, 1, 'conv3')(out))
+    shortcut = x
+    if self.strides != 1 or x.shape[-1] != out_planes:
+      shortcut = bn('shortcut_bn')(conv(out_planes, 1, self.strides, 'shortcut_conv')(x))
+    return nn.relu(out + shortcut)
+
+
+class CifarResNet(nn.Module):
+  """CIFAR ResNet encoder: x float32 [B, H, W, C] -> features [B, feature_dim].
+
+  Attributes:
+    stage_sizes: blocks per stage, e.g. (2, 2, 2, 2).
+    block: 'basic' or 'bottleneck'.
+    widths: channels of the four stages (planes; bottleneck output is 4x).
+    conv_impl: see layers.Conv.
+  """
+  stage_sizes: Sequence[int]
+  block: str = 'basic'
+  widths: Sequence[int] = (64, 128, 256, 512)
+  conv_impl: str = 'auto'
+
+  @property
+  def feature_dim(self) -> int:
+    return self.widths[-1] * (Bottleneck.expansion if self.block == 'bottleneck' else 1)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    if self.block not in BLOCKS:
+      raise ValueError(f'block={self.block!r}; allowed: {BLOCKS}')
+    if len(self.stage_sizes) != len(self.widths):
+      raise ValueError(f'stage_sizes={self.stage_sizes} and widths={self.widths} differ in length')
+    if x.ndim != 4:
+      raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+    block_cls = BasicBlock if self.block == 'basic' else Bottleneck
+    x = layers.Conv(self.widths[0], 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl,
+                    name='conv1')(x)
+    x = nn.relu(layers.BatchNorm(use_running_average=not train, name='bn1')(x))
+    for i, (num_blocks, planes) in enumerate(zip(self.stage_sizes, self.widths)):
+      for j in range(num_blocks):
+        strides = 2 if (i > 0 and j == 0) else 1
+        x = block_cls(planes, strides, conv_impl=self.conv_impl, name=f'layer{i + 1}_{j}')(x, train)
+    return layers.global_avg_pool(x)

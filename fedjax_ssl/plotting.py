@@ -1,0 +1,70 @@
+"""Training-curve plots from metrics records (as read by logging_utils.read_metrics).
+
+Uses matplotlib's object-oriented API (``Figure`` renders PNG through the Agg
+canvas) and never pyplot, so importing this module does not touch the global
+backend of the caller's process and works headless.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+PANEL_SIZE_IN = (4.5, 3.5)  # (width, height) of one subplot, inches
+DPI = 100
+
+
+def plot_metrics(records: Sequence[Mapping], out_png: str, keys: Sequence[str],
+                 title: str | None = None,
+                 hlines: Mapping[str, Mapping[str, float]] | None = None,
+                 x_key: str = 'round') -> list[str]:
+  """Plots each metric in ``keys`` against ``x_key``, one subplot per metric.
+
+  Args:
+    records: dicts such as ``{'round': 3, 'loss': 1.2, 'knn_acc': 0.4}``; a
+      record may lack some keys (e.g. accuracies only on evaluation rounds).
+    out_png: output path (parent directories are created).
+    keys: metrics to plot, in subplot order; keys present in no record are
+      skipped.
+    title: figure title.
+    hlines: reference lines per metric, ``{metric: {label: value}}``, e.g.
+      ``{'probe_acc': {'random init': 0.31}}``; keyed by metric because a
+      reference accuracy belongs on the accuracy panel only.
+    x_key: the abscissa field.
+
+  Returns:
+    The keys actually plotted.
+  """
+  present = [k for k in keys if any(k in r for r in records)]
+  if not present:
+    available = sorted({k for r in records for k in r} - {x_key})
+    raise ValueError(f'none of keys {list(keys)} occurs in the records; available: {available}')
+  hlines = hlines or {}
+  unknown = sorted(set(hlines) - set(keys))
+  if unknown:
+    raise ValueError(f'hlines keys {unknown} are not among the plotted keys {list(keys)}')
+
+  fig = Figure(figsize=(PANEL_SIZE_IN[0] * len(present), PANEL_SIZE_IN[1]), dpi=DPI,
+               layout='constrained')
+  axes = fig.subplots(1, len(present), squeeze=False)[0]
+  for ax, key in zip(axes, present):
+    points = sorted((r[x_key], r[key]) for r in records if key in r)
+    xs, ys = zip(*points)
+    ax.plot(xs, ys, marker='o' if len(xs) <= 50 else None, markersize=3, label=key)
+    for i, (label, value) in enumerate(hlines.get(key, {}).items()):
+      ax.axhline(value, color=f'C{i + 1}', linestyle='--', linewidth=1,
+                 label=f'{label} ({value:.4g})')
+    ax.set_xlabel(x_key)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are integers
+    ax.set_title(key)
+    ax.grid(alpha=0.3)
+    if key in hlines:
+      ax.legend(fontsize='small')
+  if title:
+    fig.suptitle(title)
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png, format='png')
+  return present

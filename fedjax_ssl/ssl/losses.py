@@ -1,0 +1,228 @@
+"""Self-supervised and supervised losses used by the federated methods.
+
+All losses are pure `jax.numpy` functions of row-major batches (rows are samples) and return a scalar that
+is a mean over the batch. Inputs in a lower precision than float32 (bf16/f16 model outputs) are promoted to
+float32 before any reduction; float64 inputs stay float64.
+
+Conventions follow the authors' code where the specs say so:
+  * BYOL: EasyFL `loss_one + loss_two`, each `2 - 2 cos` averaged over the batch (hetero_ssfl.md §0, fedu2.md §2.1).
+  * SimSiam: `½ D(p1, sg z2) + ½ D(p2, sg z1)`, `D = -cos` (hetero_ssfl.md §0).
+  * SimCLR: NT-Xent over 2B samples; `zero_diagonal=True` reproduces the FedU2 code's quirk (fedu2.md §2.1, A18).
+  * Spectral contrastive: FedSC "loss as implemented" (fedsc.md §2.6), i.e. 2 x the paper's batch loss, with
+    NormClip (fedsc.md §2.7) applied inside the loss.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+# F.normalize's default: the norm is clamped from below at eps, so an all-zero row maps to zero (no NaN).
+_NORM_EPS = 1e-12
+
+
+def _as_float(x: jax.Array) -> jax.Array:
+  """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _check_concrete_positive(name: str, value: Any) -> None:
+  """Raises for a concrete Python number <= 0; traced values cannot be checked and pass through."""
+  if isinstance(value, numbers.Real) and not value > 0:
+    raise ValueError(f'{name} must be > 0, got {value!r}')
+
+
+def _check_same_2d(names: Tuple[str, ...], *arrays: jax.Array) -> None:
+  shapes = [jnp.shape(a) for a in arrays]
+  if any(len(s) != 2 for s in shapes) or len(set(shapes)) != 1:
+    desc = ', '.join(f'{n}={s}' for n, s in zip(names, shapes))
+    raise ValueError(f'expected equal 2-D shapes [B, d]; got {desc}')
+
+
+def _safe_sq_norm(x: jax.Array) -> jax.Array:
+  """Row-wise squared L2 norm clamped at eps², [B, 1]; the clamp keeps gradients finite at x = 0."""
+  return jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _NORM_EPS ** 2)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+  """Row-wise L2 normalisation x / max(||x||, 1e-12) (torch `F.normalize(x, dim=-1)`).
+
+  Args:
+    x: float [..., d].
+  Returns:
+    float [..., d] with unit-norm rows (zero rows stay zero).
+  """
+  x = _as_float(x)
+  return x * jax.lax.rsqrt(_safe_sq_norm(x))
+
+
+def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:
+  """Row-wise cosine similarity, [B]."""
+  return jnp.sum(l2_normalize(a) * l2_normalize(b), axis=-1)
+
+
+def byol_loss(p1: jax.Array, p2: jax.Array, t1: jax.Array, t2: jax.Array) -> jax.Array:
+  """Symmetrised BYOL regression loss (EasyFL): mean_b(2 - 2cos(p1, sg t2)) + mean_b(2 - 2cos(p2, sg t1)).
+
+  Args:
+    p1, p2: float [B, d], online predictions of views 1 and 2.
+    t1, t2: float [B, d], target projections of views 1 and 2 (gradients are stopped).
+  Returns:
+    scalar in [0, 8].
+  """
+  _check_same_2d(('p1', 'p2', 't1', 't2'), p1, p2, t1, t2)
+  t1, t2 = jax.lax.stop_gradient(t1), jax.lax.stop_gradient(t2)
+  return jnp.mean(2.0 - 2.0 * _cosine(p1, t2)) + jnp.mean(2.0 - 2.0 * _cosine(p2, t1))
+
+
+def simsiam_loss(p1: jax.Array, p2: jax.Array, z1: jax.Array, z2: jax.Array) -> jax.Array:
+  """SimSiam loss ½ D(p1, sg z2) + ½ D(p2, sg z1) with D(p, z) = -mean_b cos(p_b, z_b).
+
+  Args:
+    p1, p2: float [B, d], predictor outputs of views 1 and 2.
+    z1, z2: float [B, d], projector outputs of views 1 and 2 (gradients are stopped).
+  Returns:
+    scalar in [-1, 1].
+  """
+  _check_same_2d(('p1', 'p2', 'z1', 'z2'), p1, p2, z1, z2)
+  z1, z2 = jax.lax.stop_gradient(z1), jax.lax.stop_gradient(z2)
+  return -0.5 * jnp.mean(_cosine(p1, z2)) - 0.5 * jnp.mean(_cosine(p2, z1))
+
+
+def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float, zero_diagonal: bool = False) -> jax.Array:
+  """SimCLR NT-Xent over the 2B L2-normalised samples [z1; z2].
+
+  Anchor i's positive is the other view of the same image (i <-> i + B); every other sample is a negative.
+  The self-similarity is excluded from the softmax (logit -inf) by default. With `zero_diagonal=True`
+  the self-similarity logit is multiplied by 0 instead, as in the FedU2 code, so exp(0) = 1 stays in the
+  denominator (fedu2.md §2.1 "Quirk").
+
+  Args:
+    z1, z2: float [B, d], projector outputs of views 1 and 2 (B >= 1).
+    temperature: softmax temperature (FedU2: 0.07), > 0.
+    zero_diagonal: reproduce the FedU2 zero-diagonal quirk.
+  Returns:
+    scalar, the cross-entropy averaged over the 2B anchors.
+  """
+  _check_same_2d(('z1', 'z2'), z1, z2)
+  _check_concrete_positive('temperature', temperature)
+  b = jnp.shape(z1)[0]
+  z = l2_normalize(jnp.concatenate([z1, z2], axis=0))
+  logits = (z @ z.T) / temperature
+  diag = jnp.eye(2 * b, dtype=bool)
+  logits = jnp.where(diag, 0.0 if zero_diagonal else -jnp.inf, logits)
+  positive = (jnp.arange(2 * b) + b) % (2 * b)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, positive))
+
+
+def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
+  """FedSC NormClip: z_b * min(1, sqrt_mu / ||z_b||) per row; the gradient flows through the rescaling.
+
+  Matches the code's `z if ||z|| < sqrt_mu else sqrt_mu * z / ||z||` (fedsc.md §2.7). Afterwards
+  ||z_b z_bᵀ||_F = ||z_b||² <= mu.
+
+  Args:
+    z: float [B, H].
+    sqrt_mu: clipping radius sqrt(mu), > 0.
+  Returns:
+    float [B, H].
+  """
+  _check_concrete_positive('sqrt_mu', sqrt_mu)
+  z = _as_float(z)
+  sq = _safe_sq_norm(z)
+  return jnp.where(sq < sqrt_mu ** 2, z, sqrt_mu * z * jax.lax.rsqrt(sq))
+
+
+def correlation_matrices(z0: jax.Array, z1: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """Mini-batch correlation estimators of fedsc.md §2.6 with two views (V = 1), rows are samples.
+
+  Args:
+    z0, z1: float [B, H], representations of the two views of the same B images.
+  Returns:
+    R_hat = (z0ᵀz0 + z1ᵀz1) / (2B), float [H, H] (estimates R_j);
+    R_plus_hat = (z0ᵀz1 + z1ᵀz0) / (2B), float [H, H] (estimates R⁺_j; Tr = (1/B) Σ_b z0_b·z1_b).
+  """
+  _check_same_2d(('z0', 'z1'), z0, z1)
+  z0, z1 = _as_float(z0), _as_float(z1)
+  two_b = 2 * jnp.shape(z0)[0]
+  r_hat = (z0.T @ z0 + z1.T @ z1) / two_b
+  r_plus_hat = (z0.T @ z1 + z1.T @ z0) / two_b
+  return r_hat, r_plus_hat
+
+
+def spectral_contrastive_loss(z0: jax.Array,
+                              z1: jax.Array,
+                              *,
+                              alpha: float = 1.0,
+                              r_global: Optional[jax.Array] = None,
+                              mu: Optional[float] = None) -> jax.Array:
+  """FedSC spectral contrastive batch loss exactly as implemented (fedsc.md §2.6, `Client_SPECshare.loss`).
+
+      (optional) z_v <- NormClip(z_v, sqrt(mu))
+      posloss  = -(2/B) Σ_b z1_b · z0_b                         (= -2 Tr R̂⁺)
+      R̂        = (z1ᵀz1 + z0ᵀz0) / (2B)
+      negaloss = alpha ||R̂||_F² + 2 (1 - alpha) Tr(R̂ R_global)  if r_global is given, else ||R̂||_F²
+      loss     = posloss + negaloss                             (= 2 x the paper's L̂_j with q_j -> alpha)
+
+  Without `r_global` (FedAvg+SC, or FedSC before the first share) `alpha` is not used, as in the code,
+  where the shared-matrix term only exists once a matrix was received (fedsc.md A11).
+
+  Args:
+    z0, z1: float [B, H], projector outputs of the two views.
+    alpha: weight of the intra-client contrast term (FedSC: alpha_t = 1 - 0.8 t / T).
+    r_global: float [H, H], the received R̃_{-j} (treated as a constant: gradients are stopped), or None.
+    mu: NormClip level (rows clipped to norm sqrt(mu)), > 0, or None for no clipping.
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('z0', 'z1'), z0, z1)
+  h = jnp.shape(z0)[1]
+  if r_global is not None and jnp.shape(r_global) != (h, h):
+    raise ValueError(f'r_global must have shape {(h, h)} (H = feature dim of z), got {jnp.shape(r_global)}')
+  if mu is not None:
+    _check_concrete_positive('mu', mu)
+    z0, z1 = norm_clip(z0, jnp.sqrt(mu)), norm_clip(z1, jnp.sqrt(mu))
+  z0, z1 = _as_float(z0), _as_float(z1)
+  b = jnp.shape(z0)[0]
+  posloss = -2.0 / b * jnp.sum(z1 * z0)
+  r_hat = (z1.T @ z1 + z0.T @ z0) / (2 * b)
+  frob_sq = jnp.sum(r_hat * r_hat)
+  if r_global is None:
+    return posloss + frob_sq
+  r_global = jax.lax.stop_gradient(_as_float(r_global))
+  # R̂ is symmetric, so Tr(R̂ R_global) = Σ_ik R̂_ik R_global_ik, also for a non-symmetric (DP-noised) R_global.
+  return posloss + alpha * frob_sq + 2.0 * (1.0 - alpha) * jnp.sum(r_hat * r_global)
+
+
+def ema_update(target: Any, online: Any, tau: float) -> Any:
+  """Exponential moving average of a pytree: tau * target + (1 - tau) * online, leaf by leaf.
+
+  Args:
+    target: pytree of arrays (the EMA / target network).
+    online: pytree with the same structure and leaf shapes (the online network).
+    tau: decay in [0, 1] (BYOL: 0.99); 1 keeps the target, 0 copies the online network.
+  Returns:
+    pytree like `target`.
+  """
+  if isinstance(tau, numbers.Real) and not 0.0 <= tau <= 1.0:
+    raise ValueError(f'tau must lie in [0, 1], got {tau!r}')
+  return jax.tree_util.tree_map(lambda t, o: tau * t + (1.0 - tau) * o, target, online)
+
+
+def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Softmax cross-entropy with integer labels, averaged over the batch.
+
+  Args:
+    logits: float [B, K].
+    labels: int [B] in [0, K).
+  Returns:
+    scalar.
+  """
+  if jnp.ndim(logits) != 2 or jnp.shape(labels) != jnp.shape(logits)[:1]:
+    raise ValueError(f'expected logits [B, K] and labels [B]; got logits {jnp.shape(logits)}, '
+                     f'labels {jnp.shape(labels)}')
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(_as_float(logits), labels))

@@ -1,0 +1,8 @@
+"""Test session setup: four virtual CPU devices so the 'shard' strategy runs on a real mesh.
+
+XLA reads the flag once, when the backend starts, so it is set before anything imports jax.
+"""
+import os
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=4').strip()

@@ -1,0 +1,175 @@
+"""Every algorithm's stacked round step, under every execution strategy, equals the slow per-client
+Python loop of tests/reference.py on tiny inputs — partial participation and unequal client sizes
+(one client smaller than a batch) included — and the sequential baseline gives the same numbers."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_ssl import models
+from fedjax_ssl.algorithms import fedavg, fedema, fedu, independent, ssl_client
+from fedjax_ssl.core import optim, rng
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import FedData
+from tests import reference
+
+NUM_CLIENTS = 6
+SIZES = (18, 5, 28, 12, 22, 16)   # batch 8: 2, 1 (wrapped), 3, 1, 2, 2 steps per epoch
+BATCH, EPOCHS = 8, 2
+AUG = augment.AugmentConfig(out_size=8, crop_scale=(0.5, 1.0), flip_prob=0.5, jitter_prob=0.0,
+                            grayscale_prob=0.0)
+
+
+def _data(num_clients=NUM_CLIENTS, sizes=SIZES):
+  rs = np.random.RandomState(0)
+  n_max = max(sizes)
+  x = np.zeros((num_clients, n_max, 8, 8, 1), np.uint8)
+  y = np.full((num_clients, n_max), -1, np.int32)
+  for c, n in enumerate(sizes):
+    x[c, :n] = rs.randint(0, 256, (n, 8, 8, 1))
+    y[c, :n] = rs.randint(0, 3, n)
+  return FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32))
+
+
+def _spec(method, optimizer='sgd'):
+  enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
+  if method == 'supervised':
+    model = models.Classifier(enc, 3)
+  else:
+    pred = models.MLPHead(8, 5) if method in ('byol', 'simsiam') else None
+    model = models.SSLModel(enc, models.MLPHead(8, 5), pred)
+  tx = optim.make_optimizer(optimizer, momentum=0.9, weight_decay=1e-3)
+  return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
+                               input_shape=(8, 8, 1), temperature=0.5, ema_tau=0.9,
+                               reset_optimizer=optimizer == 'sgd')
+
+
+ALGOS = {
+    'fedbyol': lambda: fedavg.make(_spec('byol')),
+    'fedbyol_reset_target': lambda: fedavg.make(_spec('byol'), byol_target_sync='reset'),
+    'fedsimsiam': lambda: fedavg.make(_spec('simsiam')),
+    'fedsimclr': lambda: fedavg.make(_spec('simclr')),
+    'fedavg_supervised': lambda: fedavg.make(_spec('supervised')),
+    # A tiny threshold / scaler so both branches of the divergence rules are exercised.
+    'fedu': lambda: fedu.make(_spec('byol'), dapu_threshold=0.05),
+    'fedema': lambda: fedema.make(_spec('byol'), autoscaler_tau=0.5),
+    'independent_adam': lambda: independent.make(_spec('simclr', optimizer='adam')),
+}
+
+
+def _round_cfg(strategy, m, chunk=2):
+  return rd.RoundConfig(clients_per_round=m, local_epochs=EPOCHS, batch_size=BATCH,
+                        lr_fn=lambda r: optim.round_lr(0.02, 'cosine', r, 10), strategy=strategy,
+                        map_chunk_size=chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def _algo(name):
+  """One Algorithm object per name, so its jitted functions compile once per test session."""
+  algo = ALGOS[name]()
+  return algo, jax.jit(algo.local_step)
+
+
+def _assert_tree_close(actual, expected, what):
+  """Leafwise |a - e| <= 1e-3 * scale(e) + 5e-5.
+
+  float32 rounding differs between batched and unbatched GEMMs (~1e-5 relative after a round); an
+  algorithmic difference (a wrong batch, key, mask, weight or client) is O(scale).
+  """
+  flat_a = jax.tree_util.tree_leaves_with_path(actual)
+  flat_e = jax.tree_util.tree_leaves(expected)
+  assert len(flat_a) == len(flat_e), what
+  for (path, a), e in zip(flat_a, flat_e):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    assert a.shape == e.shape, f'{what}: {jax.tree_util.keystr(path)} shape'
+    scale = float(np.max(np.abs(e), initial=0.0))
+    err = float(np.max(np.abs(a - e), initial=0.0))
+    assert err <= 1e-3 * scale + 5e-5, (
+        f'{what}: {jax.tree_util.keystr(path)} err {err:.3g} scale {scale:.3g}')
+
+
+def _check_rounds(name, strategy, m, sequential=False, rounds=2):
+  """Runs `rounds` engine rounds; before each, the reference loop starts from the same state.
+
+  Comparing round by round (not whole trajectories) matters: these tiny BatchNorm networks on
+  8-sample batches are chaotic, and a 1e-7 difference in one round's server average grows to O(0.1)
+  a round later, although each round agrees to float32 rounding.
+  """
+  algo, local_step = _algo(name)
+  data = _data()
+  cfg = _round_cfg(strategy, m)
+  step = (rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS) if sequential
+          else rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False))
+  state = rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS)
+  for r in range(rounds):
+    key = rng.round_key(jax.random.PRNGKey(7), r)
+    ref_clients, ref_server, ref_loss = reference.reference_round(
+        algo, local_step, state.clients, state.server, data, key, r, clients_per_round=m,
+        batch_size=BATCH, local_epochs=EPOCHS, lr_fn=cfg.lr_fn,
+        aggregates=name != 'independent_adam')
+    state, metrics = step(state, data, key)
+    assert int(state.round) == r + 1
+    _assert_tree_close(state.clients, ref_clients, f'{name}/{strategy} round {r} clients')
+    _assert_tree_close(state.server, ref_server, f'{name}/{strategy} round {r} server')
+    np.testing.assert_allclose(float(metrics['loss']), ref_loss, rtol=1e-4)
+  return state
+
+
+@pytest.mark.parametrize('name', sorted(ALGOS))
+def test_vmap_round_step_matches_reference_loop(name):
+  # Partial participation: 4 of 6 clients, so round 2 mixes first-time and returning clients.
+  _check_rounds(name, 'vmap', 4)
+
+
+@pytest.mark.parametrize('strategy', ['map', 'shard'])
+@pytest.mark.parametrize('name', ['fedbyol', 'fedema', 'independent_adam'])
+def test_other_strategies_match_reference_loop(name, strategy):
+  _check_rounds(name, strategy, 4)
+
+
+def test_full_participation_and_sequential_baseline():
+  _check_rounds('fedu', 'vmap', NUM_CLIENTS)
+  _check_rounds('fedbyol', 'vmap', 4, sequential=True)
+
+
+def test_map_chunks_with_remainder():
+  # 5 participants in chunks of 2: two full chunks and a remainder of one (the size-1 case).
+  _check_rounds('fedsimclr', 'map', 5, rounds=1)
+
+
+def test_non_participants_are_untouched_and_training_moves_participants():
+  algo, _ = _algo('independent_adam')
+  data = _data()
+  step = rd.make_round_step(algo, _round_cfg('vmap', 2), NUM_CLIENTS, donate=False)
+  state = rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS)
+  key = rng.round_key(jax.random.PRNGKey(7), 0)
+  ids = set(np.asarray(rd.sample_participants(key, NUM_CLIENTS, 2)).tolist())
+  new, _ = step(state, data, key)
+  for c in range(NUM_CLIENTS):
+    before = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda a: a[c], state.clients['params']))
+    after = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda a: a[c], new.clients['params']))
+    same = all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert same == (c not in ids), c
+
+
+def test_participant_sampling_is_uniform_without_replacement():
+  counts = np.zeros(10)
+  for r in range(400):
+    ids = np.asarray(rd.sample_participants(jax.random.PRNGKey(r), 10, 3))
+    assert len(set(ids.tolist())) == 3 and np.all(np.diff(ids) > 0)
+    counts[ids] += 1
+  # Each client is picked with probability 3/10: 120 expected of 400, binomial sd ~9.2.
+  assert np.all(np.abs(counts - 120) < 5 * 9.2), counts
+
+
+def test_bad_round_settings_raise_before_compile():
+  algo, _ = _algo('fedbyol')
+  with pytest.raises(ValueError, match='clients_per_round = 7'):
+    rd.make_round_step(algo, _round_cfg('vmap', 7), NUM_CLIENTS)
+  with pytest.raises(ValueError, match='multiple of the device count 4'):
+    rd.make_round_step(algo, _round_cfg('shard', 3), NUM_CLIENTS)
+  with pytest.raises(ValueError, match="strategy = 'pmap'"):
+    rd.make_round_step(algo, _round_cfg('pmap', 2), NUM_CLIENTS)
