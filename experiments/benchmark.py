@@ -39,6 +39,10 @@ _BATCH = flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds per variant (after one warm-up).')
 _VARIANTS = flags.DEFINE_list('variants', ['sequential', 'vmap', 'map', 'map10', 'shard'],
                               'Which execution variants to time.')
+_AUGMENTATION = flags.DEFINE_string(
+    'augmentation', 'byol_easyfl',
+    "Augmentation preset of the views ('none' = model compute only, to compare with "
+    'experiments/torch_reference.py).')
 _MAX_SECONDS = flags.DEFINE_float(
     'max_variant_seconds', 600.0,
     'Skip the remaining variants of a setting once one timed round exceeds this (CPU ResNet-18).')
@@ -60,7 +64,7 @@ def _config(model: str, num_clients: int, strategy: str, chunk: int):
   c.lr = 0.05
   c.strategy = strategy
   c.map_chunk_size = chunk
-  c.augmentation = 'byol_easyfl'
+  c.augmentation = _AUGMENTATION.value
   return c
 
 
@@ -134,7 +138,8 @@ def run() -> List[Dict]:
   rows = []
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
           'default_strategy': strategies.default_strategy(), 'local_steps': _STEPS.value,
-          'batch_size': _BATCH.value, 'jax': jax.__version__}
+          'batch_size': _BATCH.value, 'augmentation': _AUGMENTATION.value,
+          'jax': jax.__version__}
   print(json.dumps(info))
   for model in _MODELS.value:
     for num_clients in [int(c) for c in _CLIENTS.value]:

@@ -34,17 +34,17 @@ def _data(num_clients=NUM_CLIENTS, sizes=SIZES):
   return FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32))
 
 
-def _spec(method, optimizer='sgd'):
+def _spec(method, reset_optimizer=True):
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   if method == 'supervised':
     model = models.Classifier(enc, 3)
   else:
     pred = models.MLPHead(8, 5) if method in ('byol', 'simsiam') else None
     model = models.SSLModel(enc, models.MLPHead(8, 5), pred)
-  tx = optim.make_optimizer(optimizer, momentum=0.9, weight_decay=1e-3)
+  tx = optim.make_optimizer('sgd', momentum=0.9, weight_decay=1e-3)
   return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
                                input_shape=(8, 8, 1), temperature=0.5, ema_tau=0.9,
-                               reset_optimizer=optimizer == 'sgd')
+                               reset_optimizer=reset_optimizer)
 
 
 ALGOS = {
@@ -56,7 +56,10 @@ ALGOS = {
     # A tiny threshold / scaler so both branches of the divergence rules are exercised.
     'fedu': lambda: fedu.make(_spec('byol'), dapu_threshold=0.05),
     'fedema': lambda: fedema.make(_spec('byol'), autoscaler_tau=0.5),
-    'independent_adam': lambda: independent.make(_spec('simclr', optimizer='adam')),
+    # Momentum kept across rounds (reset_optimizer=False). Adam is left out on purpose: its first
+    # steps are sign(g), so a float32-noise-level gradient flips sign between batched and unbatched
+    # GEMMs and the comparison would test rounding, not the engine.
+    'independent': lambda: independent.make(_spec('simclr', reset_optimizer=False)),
 }
 
 
@@ -109,7 +112,7 @@ def _check_rounds(name, strategy, m, sequential=False, rounds=2):
     ref_clients, ref_server, ref_loss = reference.reference_round(
         algo, local_step, state.clients, state.server, data, key, r, clients_per_round=m,
         batch_size=BATCH, local_epochs=EPOCHS, lr_fn=cfg.lr_fn,
-        aggregates=name != 'independent_adam')
+        aggregates=name != 'independent')
     state, metrics = step(state, data, key)
     assert int(state.round) == r + 1
     _assert_tree_close(state.clients, ref_clients, f'{name}/{strategy} round {r} clients')
@@ -125,7 +128,7 @@ def test_vmap_round_step_matches_reference_loop(name):
 
 
 @pytest.mark.parametrize('strategy', ['map', 'shard'])
-@pytest.mark.parametrize('name', ['fedbyol', 'fedema', 'independent_adam'])
+@pytest.mark.parametrize('name', ['fedbyol', 'fedema', 'independent'])
 def test_other_strategies_match_reference_loop(name, strategy):
   _check_rounds(name, strategy, 4)
 
@@ -141,7 +144,7 @@ def test_map_chunks_with_remainder():
 
 
 def test_non_participants_are_untouched_and_training_moves_participants():
-  algo, _ = _algo('independent_adam')
+  algo, _ = _algo('independent')
   data = _data()
   step = rd.make_round_step(algo, _round_cfg('vmap', 2), NUM_CLIENTS, donate=False)
   state = rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS)

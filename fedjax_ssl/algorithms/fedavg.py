@@ -20,7 +20,7 @@ from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
 BYOL_TARGET_SYNC = ('keep', 'reset')
 
 
-def _select(flag, a, b):
+def select_tree(flag, a, b):
   """Pytree select on a scalar bool."""
   return jax.tree_util.tree_map(lambda x, y: jnp.where(flag, x, y), a, b)
 
@@ -45,7 +45,7 @@ def sync_target(spec: ssl_client.ClientSpec, client, reset) -> dict:
   if spec.method != 'byol':
     return client
   fresh = ssl_client.target_from_online(client['params'], client['batch_stats'])
-  return dict(client, target=_select(reset, fresh, client['target']))
+  return dict(client, target=select_tree(reset, fresh, client['target']))
 
 
 def mark_participated(client) -> dict:

@@ -51,13 +51,13 @@ def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorit
     mu = jnp.minimum(extras['scaler'] * extras['divergence'], 1.0)
     p_loc, p_glob = client['params'], msg['params']
     mixed = {k: mix(p_loc[k], p_glob[k], mu) for k in _ONLINE + ('predictor',)}
-    params = fedavg._select(first, ssl_client.replace_modules(p_loc, p_glob, mixed.keys()),
+    params = fedavg.select_tree(first, ssl_client.replace_modules(p_loc, p_glob, mixed.keys()),
                             ssl_client.replace_modules(p_loc, mixed, mixed.keys()))
     bs_loc, bs_glob = client['batch_stats'], msg['batch_stats']
     bs = ssl_client.replace_modules(bs_loc, bs_glob, _ONLINE)
     if 'predictor' in bs_loc:
       keep_local = (~first) & (mu > 0.5)
-      bs['predictor'] = fedavg._select(keep_local, bs_loc['predictor'], bs_glob['predictor'])
+      bs['predictor'] = fedavg.select_tree(keep_local, bs_loc['predictor'], bs_glob['predictor'])
     client = dict(client, params=params, batch_stats=bs)
     client = fedavg.sync_target(spec, client, first)
     return fedavg.mark_participated(client)

@@ -36,7 +36,7 @@ def make(spec: ssl_client.ClientSpec, *, dapu_threshold: float = 0.4) -> Algorit
     use_global_pred = first | (client['extras']['divergence'] < dapu_threshold)
     adopted = fedavg.adopt_global(spec, client, msg, ('encoder', 'projector', 'predictor'))
     local_pred = fedavg.adopt_global(spec, client, msg, ('encoder', 'projector'))
-    client = fedavg._select(use_global_pred, adopted, local_pred)
+    client = fedavg.select_tree(use_global_pred, adopted, local_pred)
     client = fedavg.sync_target(spec, client, first)
     return fedavg.mark_participated(client)
 

@@ -5,8 +5,10 @@ sees the client axis:
 * 'map'   — `lax.map` over chunks of `chunk_size` clients, each chunk vmapped (bounded memory; with
             chunk 1 clients run one after another inside ONE compiled program, no Python dispatch).
 * 'shard' — the participant axis split over a 1-D device mesh named 'clients' (`jax.shard_map`),
-            each device vmapping its local clients. Multi-host works the same once
-            `jax.distributed.initialize()` has been called.
+            each device running its local clients in chunks of `chunk_size` (one vmap when the
+            chunk covers them all). Multi-host works the same once `jax.distributed.initialize()`
+            has been called. On a CPU host with one XLA device per core
+            (`--xla_force_host_platform_device_count`) this runs clients on all cores at once.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def resolve_strategy(strategy: str) -> str:
 
 def check_participants(strategy: str, num_participants: int, chunk_size: int) -> None:
   """Raises before compilation if the participant count does not fit the strategy."""
-  if strategy == 'map' and chunk_size < 1:
+  if strategy in ('map', 'shard') and chunk_size < 1:
     raise ValueError(f'map_chunk_size = {chunk_size} is invalid: must be >= 1')
   if strategy == 'shard':
     ndev = jax.device_count()
@@ -88,7 +90,7 @@ def map_clients(fn: Callable, per_client: Sequence[Any], shared: Sequence[Any], 
     per_client: pytrees whose leaves have a leading participant axis [m, ...].
     shared: pytrees passed unchanged to every call.
     strategy: one of STRATEGIES.
-    chunk_size: clients per chunk for 'map'.
+    chunk_size: clients per chunk for 'map' and, per device, for 'shard'.
   Returns:
     fn's outputs stacked over the participant axis.
   """
@@ -101,7 +103,7 @@ def map_clients(fn: Callable, per_client: Sequence[Any], shared: Sequence[Any], 
     mesh = Mesh(np.array(jax.devices()), ('clients',))
 
     def local(pc, sh):
-      return _batched(fn, sh)(*pc)
+      return _chunked_map(_batched(fn, sh), pc, chunk_size)
     # Shared arguments are replicated; outputs keep the sharded client axis, so the server
     # reduction afterwards is one all-reduce.
     return jax.shard_map(local, mesh=mesh, in_specs=(P('clients'), P()), out_specs=P('clients'),
