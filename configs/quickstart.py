@@ -2,10 +2,11 @@ r"""Quickstart: FedBYOL on real Fashion-MNIST, 10 clients, Dirichlet(0.5), small
 
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/quickstart
 
-Data: the Debian `dataset-fashion-mnist` IDX files (60,000 train / 10,000 test) when installed,
-otherwise tensorflow-datasets. Expected result (2-core CPU, BUILD_NOTES.md "Quickstart"): the linear
-probe on the trained encoder clearly above the probe on the random-init encoder; both are printed at
-the end, with a plot of loss and kNN accuracy against rounds in WORKDIR/metrics.png.
+Data: the Debian `dataset-fashion-mnist` IDX files (first 20,000 of 60,000 train / all 10,000 test)
+when installed, otherwise tensorflow-datasets. Measured on the 2-core CPU box (BUILD_NOTES.md,
+"Quickstart"): 4 min 42 s; linear probe 0.7316 for the trained encoder vs 0.7143 for the random-init
+encoder, kNN 0.7609 vs 0.7545. Both are printed at the end, with a plot of loss, kNN and probe
+accuracy against rounds (round 0 = random init) in WORKDIR/metrics.png.
 """
 from fedjax_ssl import experiment
 
@@ -21,7 +22,9 @@ def get_config():
   c.ssl_method = 'byol'
   c.encoder = 'small_cnn'
   c.heads = 'custom'          # small BYOL heads for the 128-d small CNN: 128-256(BN)-128
-  c.augmentation = 'byol_easyfl'
+  # FedSC's milder crop (scale 0.2-1): EasyFL's 0.08-1 crops of 28x28 digits-sized images threw
+  # the object away (probe 0.724 vs 0.732 in the same budget, BUILD_NOTES.md "Quickstart").
+  c.augmentation = 'fedsc'
   c.train_size = 20000        # first 20k training images (CPU budget); the test split stays whole
   c.rounds = 15
   c.local_epochs = 1

@@ -40,6 +40,11 @@ def _write_json(path: pathlib.Path, obj) -> None:
   os.replace(tmp, path)
 
 
+def _scalars(results: dict) -> dict:
+  """The scalar entries of an evaluation dict (per-client lists go to results.json only)."""
+  return {k: v for k, v in results.items() if not isinstance(v, list)}
+
+
 def train_and_evaluate(config, workdir: str) -> dict:
   """Runs (or resumes) the configured experiment; returns the final results dict."""
   experiment.validate_config(config)
@@ -72,16 +77,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
   if ckpt.latest_round() is not None:
     start, state, _ = ckpt.restore(state)
     logging.info('resumed from round %d', start)
-  writer.truncate_after(start)
   if start == 0:
+    # Round 0 is the random-init encoder, so every accuracy curve starts there.
+    writer.truncate_after(-1)
+    writer.write(0, _scalars(random_init))
     _write_json(workdir / 'config.json', config.to_dict())
+  else:
+    writer.truncate_after(start)
 
+  final = None
   bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}')
   for r in range(start, config.rounds):
     state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
     record = {k: float(v) for k, v in metrics.items()}
-    if config.eval_every and (r + 1) % config.eval_every == 0 and r + 1 < config.rounds:
+    if r + 1 == config.rounds:
+      final = experiment.evaluate(config, algo, state, dataset)
+      record.update(_scalars(final))
+    elif config.eval_every and (r + 1) % config.eval_every == 0:
       record.update(experiment.evaluate(config, algo, state, dataset, probe=False))
+    # One record per round, written before that round's checkpoint: a resumed run truncates the
+    # log to its checkpoint and so never duplicates or loses a round.
     writer.write(r + 1, record)
     bar.set_metrics(record)
     bar.update(1)
@@ -89,8 +104,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
                     force=r + 1 == config.rounds)
   bar.close()
 
-  final = experiment.evaluate(config, algo, state, dataset)
-  writer.write(config.rounds, {f'final_{k}': v for k, v in final.items() if not isinstance(v, list)})
+  if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
+    final = experiment.evaluate(config, algo, state, dataset)
   writer.close()
   ckpt.close()
   results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
@@ -99,10 +114,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
   plotting.plot_metrics(
-      records, str(workdir / 'metrics.png'), keys=['loss', 'knn_acc', 'final_probe_acc'],
-      title=f'{algo.name} / {config.ssl_method} on {dataset.name}',
+      records, str(workdir / 'metrics.png'), keys=['loss', 'knn_acc', 'probe_acc'],
+      title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
       hlines={'knn_acc': {'random-init encoder': random_init.get('knn_acc')},
-              'final_probe_acc': {'random-init encoder': random_init.get('probe_acc')}})
+              'probe_acc': {'random-init encoder': random_init.get('probe_acc')}})
   print(f'linear probe accuracy: trained encoder {final.get("probe_acc", float("nan")):.4f} | '
         f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
   print(f'kNN accuracy:          trained encoder {final.get("knn_acc", float("nan")):.4f} | '

@@ -79,6 +79,8 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert _losses(full) == _losses(killed)
   assert [r for r, _ in _losses(full)] == list(range(1, ROUNDS + 1))
+  rounds = [json.loads(l)['round'] for l in (killed / 'metrics.jsonl').read_text().splitlines()]
+  assert rounds == list(range(0, ROUNDS + 1))   # round 0 = random init; no duplicates
   res = json.loads((killed / 'results.json').read_text())
   assert 0.0 < res['final']['probe_acc'] <= 1.0
   assert (killed / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
@@ -91,7 +93,7 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
     ('--config.strategy=pmap', "config.strategy = 'pmap'"),
 ])
 def test_bad_config_fails_before_compute(tmp_path, override, message):
-  out = subprocess.run(_cmd(tmp_path / 'w')[:3] + [f'--workdir={tmp_path / "w"}', override],
+  out = subprocess.run(_cmd(tmp_path / 'w')[:5] + [override],
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode != 0
   assert message in out.stderr, out.stderr[-2000:]

@@ -58,6 +58,22 @@ def init_shared(spec: ssl_client.ClientSpec, key, num_clients):
   return replicate(client, num_clients), shared_subset(spec, client)
 
 
+def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begin,
+                           end=lambda start, client, msg: client) -> Algorithm:
+  """An algorithm whose server keeps the data-weighted mean of the participants' online networks
+  and evaluates that global model (FedAvg, FedU, FedEMA differ only in init / begin / end)."""
+  return Algorithm(
+      name=name, init=init, broadcast=lambda server: server, begin=begin,
+      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
+      end=end,
+      upload=lambda client: shared_subset(spec, client),
+      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
+      eval_variables=lambda state: (state.server, False),
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+  )
+
+
 def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: str = 'fedavg'
          ) -> Algorithm:
   if byol_target_sync not in BYOL_TARGET_SYNC:
@@ -72,16 +88,6 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
     client = sync_target(spec, client, first | (byol_target_sync == 'reset'))
     return mark_participated(client)
 
-  return Algorithm(
-      name=name,
-      init=lambda key, num_clients: init_shared(spec, key, num_clients),
-      broadcast=lambda server: server,
-      begin=begin,
-      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=lambda start, client, msg: client,
-      upload=lambda client: shared_subset(spec, client),
-      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
-      eval_variables=lambda state: (state.server, False),
-      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
-                                                          train=False),
-  )
+  return global_model_algorithm(
+      spec, name=name, init=lambda key, num_clients: init_shared(spec, key, num_clients),
+      begin=begin)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, weighted_mean
+from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
 METHODS = ('byol', 'simsiam')
@@ -69,13 +69,4 @@ def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorit
     scaler = jnp.where(scaler == 0, autoscaler_tau / jnp.maximum(d, 1e-12), scaler)
     return dict(client, extras=dict(client['extras'], divergence=d, scaler=scaler))
 
-  return Algorithm(
-      name='fedema', init=init, broadcast=lambda server: server, begin=begin,
-      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=end,
-      upload=lambda client: fedavg.shared_subset(spec, client),
-      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
-      eval_variables=lambda state: (state.server, False),
-      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
-                                                          train=False),
-  )
+  return fedavg.global_model_algorithm(spec, name='fedema', init=init, begin=begin, end=end)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, weighted_mean
+from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
 METHODS = ('byol', 'simsiam')
@@ -44,13 +44,4 @@ def make(spec: ssl_client.ClientSpec, *, dapu_threshold: float = 0.4) -> Algorit
     d = conv_divergence(start['params']['encoder'], client['params']['encoder'])
     return dict(client, extras=dict(client['extras'], divergence=d))
 
-  return Algorithm(
-      name='fedu', init=init, broadcast=lambda server: server, begin=begin,
-      local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=end,
-      upload=lambda client: fedavg.shared_subset(spec, client),
-      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
-      eval_variables=lambda state: (state.server, False),
-      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
-                                                          train=False),
-  )
+  return fedavg.global_model_algorithm(spec, name='fedu', init=init, begin=begin, end=end)
