@@ -34,6 +34,14 @@ def _client_and_global(spec):
   return client, glob
 
 
+def _assert_equal(actual, expected):
+  """Exact leafwise equality of two pytrees of the same structure."""
+  a, e = jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)
+  assert len(a) == len(e) > 0
+  for x, y in zip(a, e):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def _np(tree):
   return jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), tree)
 
@@ -93,14 +101,10 @@ def test_fedavg_begin_adopts_global_and_handles_target(sync):
     c = dict(client, extras={'participated': jnp.float32(participated)})
     out = algo.begin(c, glob, jax.random.PRNGKey(0))
     for k in ('encoder', 'projector', 'predictor'):
-      for a, b in zip(jax.tree_util.tree_leaves(out['params'][k]),
-                      jax.tree_util.tree_leaves(glob['params'][k])):
-        np.testing.assert_array_equal(a, b)
+      _assert_equal(out['params'][k], glob['params'][k])
     fresh = participated == 0.0 or sync == 'reset'
     expected_target = glob['params']['encoder'] if fresh else client['target']['params']['encoder']
-    for a, b in zip(jax.tree_util.tree_leaves(out['target']['params']['encoder']),
-                    jax.tree_util.tree_leaves(expected_target)):
-      np.testing.assert_array_equal(a, b)
+    _assert_equal(out['target']['params']['encoder'], expected_target)
     assert float(out['extras']['participated']) == 1.0
 
 
@@ -112,16 +116,10 @@ def test_fedu_dapu_rule(divergence, expect_global):
   client['extras'] = {'participated': jnp.float32(1.0), 'divergence': jnp.float32(divergence)}
   out = algo.begin(client, glob, jax.random.PRNGKey(0))
   want_pred = glob if expect_global else client
-  for a, b in zip(jax.tree_util.tree_leaves(out['params']['predictor']),
-                  jax.tree_util.tree_leaves(want_pred['params']['predictor'])):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree_util.tree_leaves(out['params']['encoder']),
-                  jax.tree_util.tree_leaves(glob['params']['encoder'])):
-    np.testing.assert_array_equal(a, b)
+  _assert_equal(out['params']['predictor'], want_pred['params']['predictor'])
+  _assert_equal(out['params']['encoder'], glob['params']['encoder'])
   # The target stays local for a returning client.
-  for a, b in zip(jax.tree_util.tree_leaves(out['target']),
-                  jax.tree_util.tree_leaves(client['target'])):
-    np.testing.assert_array_equal(a, b)
+  _assert_equal(out['target'], client['target'])
 
 
 @pytest.mark.parametrize('divergence, scaler', [(0.2, 2.0), (0.3, 3.0), (0.8, 5.0)])
@@ -140,12 +138,8 @@ def test_fedema_mixing_rule(divergence, scaler):
       np.testing.assert_allclose(np.asarray(a), mu * l + (1 - mu) * gg, rtol=1e-5, atol=1e-6)
   # BN statistics: encoder/projector global; predictor local iff mu > 0.5.
   pred_src = client if mu > 0.5 else glob
-  for a, b in zip(jax.tree_util.tree_leaves(out['batch_stats']['predictor']),
-                  jax.tree_util.tree_leaves(pred_src['batch_stats']['predictor'])):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree_util.tree_leaves(out['batch_stats']['projector']),
-                  jax.tree_util.tree_leaves(glob['batch_stats']['projector'])):
-    np.testing.assert_array_equal(a, b)
+  _assert_equal(out['batch_stats']['predictor'], pred_src['batch_stats']['predictor'])
+  _assert_equal(out['batch_stats']['projector'], glob['batch_stats']['projector'])
 
 
 def test_fedema_first_participation_and_autoscaler():
@@ -155,8 +149,7 @@ def test_fedema_first_participation_and_autoscaler():
   client['extras'] = {'participated': jnp.float32(0.0), 'divergence': jnp.float32(0.0),
                       'scaler': jnp.float32(0.0)}
   start = algo.begin(client, glob, jax.random.PRNGKey(0))
-  for a, b in zip(jax.tree_util.tree_leaves(start['params']), jax.tree_util.tree_leaves(glob['params'])):
-    np.testing.assert_array_equal(a, b)
+  _assert_equal(start['params'], glob['params'])
   trained = dict(start, params=dict(start['params'], encoder=jax.tree_util.tree_map(
       lambda a: a + 0.01 * jnp.ones_like(a), start['params']['encoder'])))
   end = algo.end(start, trained, glob)
