@@ -52,7 +52,7 @@ def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorit
     p_loc, p_glob = client['params'], msg['params']
     mixed = {k: mix(p_loc[k], p_glob[k], mu) for k in _ONLINE + ('predictor',)}
     params = fedavg.select_tree(first, ssl_client.replace_modules(p_loc, p_glob, mixed.keys()),
-                            ssl_client.replace_modules(p_loc, mixed, mixed.keys()))
+                                ssl_client.replace_modules(p_loc, mixed, mixed.keys()))
     bs_loc, bs_glob = client['batch_stats'], msg['batch_stats']
     bs = ssl_client.replace_modules(bs_loc, bs_glob, _ONLINE)
     if 'predictor' in bs_loc:
