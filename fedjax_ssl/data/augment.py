@@ -257,16 +257,20 @@ def _resize_taps(start, length, total: int, out_len: int):
   return jnp.clip(start + i0, 0, total - 1), jnp.clip(start + i1, 0, total - 1), frac
 
 
-def crop_resize(x, box, out_hw: Tuple[int, int]):
-  """Crops x [H, W, C] to box = (top, left, h, w) (ints, may be traced) and resizes bilinearly to out_hw.
+def crop_resize(x, box, out_hw: Tuple[int, int], flip=False):
+  """Crops x [H, W, C] to box = (top, left, h, w) (ints, may be traced) and resizes bilinearly to out_hw; then flips
+  the result horizontally if `flip` (bool, may be traced).
 
   Implemented as a separable sampling grid (gathers at dynamic indices), so the box can differ per sample under vmap.
+  The flip reverses the column taps instead of the output: the same arithmetic per output pixel, so bit-identical to
+  `hflip(crop_resize(...))`, but XLA:CPU runs a select between a gather and its reverse inside a scan ~10x slower
+  than the gather alone (BUILD_NOTES.md, 'Augmentation cost').
   A full-image box with out_hw == (H, W) returns x exactly (all second-tap weights are 0).
   """
   height, width, _ = x.shape
   top, left, h, w = box[0], box[1], box[2], box[3]
   y0, y1, fy = _resize_taps(top, h, height, out_hw[0])
-  x0, x1, fx = _resize_taps(left, w, width, out_hw[1])
+  x0, x1, fx = (jnp.where(flip, t[::-1], t) for t in _resize_taps(left, w, width, out_hw[1]))
   fy = fy[:, None, None]
   rows = (1.0 - fy) * jnp.take(x, y0, axis=0) + fy * jnp.take(x, y1, axis=0)  # [out_h, W, C]
   fx = fx[None, :, None]
@@ -315,11 +319,20 @@ def adjust_saturation(x, factor):
   return _blend(x, luma(x), factor)
 
 
+def _frac(a):
+  """a mod 1 for float a in [-1, 2): a - floor(a) is exact there (the same value as jnp.mod(a, 1.0), which lowers to
+  a much slower fmod on CPU)."""
+  return a - jnp.floor(a)
+
+
 def rgb_to_hsv(rgb):
   """float [..., 3] RGB in [0, 1] -> HSV in [0, 1] (torchvision's _rgb2hsv; hue is a fraction of the circle)."""
   r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
-  maxc = jnp.max(rgb, axis=-1)
-  minc = jnp.min(rgb, axis=-1)
+  # Elementwise max/min, not jnp.max(rgb, axis=-1): the hue sector is picked by exact tests such as maxc == r, and
+  # XLA:CPU (jax 0.10.2), once the producer of rgb is fused in, evaluates them against a reduce-max that does not
+  # equal any channel, sending pixels to the wrong sector (hue errors up to 0.75; tests/test_augment.py).
+  maxc = jnp.maximum(jnp.maximum(r, g), b)
+  minc = jnp.minimum(jnp.minimum(r, g), b)
   eqc = maxc == minc
   cr = maxc - minc
   ones = jnp.ones_like(maxc)
@@ -331,8 +344,7 @@ def rgb_to_hsv(rgb):
   hr = jnp.where(maxc == r, bc - gc, 0.0)
   hg = jnp.where((maxc == g) & (maxc != r), 2.0 + rc - bc, 0.0)
   hb = jnp.where((maxc != g) & (maxc != r), 4.0 + gc - rc, 0.0)
-  h = jnp.mod(((hr + hg + hb) / 6.0) + 1.0, 1.0)
-  return jnp.stack([h, s, maxc], axis=-1)
+  return jnp.stack([_frac(((hr + hg + hb) / 6.0) + 1.0), s, maxc], axis=-1)
 
 
 def hsv_to_rgb(hsv):
@@ -340,14 +352,17 @@ def hsv_to_rgb(hsv):
   h, s, v = hsv[..., 0], hsv[..., 1], hsv[..., 2]
   i = jnp.floor(h * 6.0)
   f = h * 6.0 - i
-  i = i.astype(jnp.int32) % 6
+  i = i.astype(jnp.int32)
+  i = jnp.where(i >= 6, i - 6, i)  # h in [0, 1] gives i in [0, 6]; cheaper than % 6
   p = jnp.clip(v * (1.0 - s), 0.0, 1.0)
   q = jnp.clip(v * (1.0 - s * f), 0.0, 1.0)
   t = jnp.clip(v * (1.0 - s * (1.0 - f)), 0.0, 1.0)
-  r = jnp.choose(i, [v, q, p, p, t, v], mode='clip')
-  g = jnp.choose(i, [t, v, v, q, p, p], mode='clip')
-  b = jnp.choose(i, [p, p, t, v, v, q], mode='clip')
-  return jnp.stack([r, g, b], axis=-1)
+  def sector(*values):  # values[i]: the channel's value in hue sector i (a select chain, not a gather)
+    out = values[5]
+    for k in range(4, -1, -1):
+      out = jnp.where(i == k, values[k], out)
+    return out
+  return jnp.stack([sector(v, q, p, p, t, v), sector(t, v, v, q, p, p), sector(p, p, t, v, v, q)], axis=-1)
 
 
 def adjust_hue(x, hue_factor):
@@ -355,7 +370,7 @@ def adjust_hue(x, hue_factor):
   if x.shape[-1] == 1:
     return x
   hsv = rgb_to_hsv(x)
-  hsv = hsv.at[..., 0].set(jnp.mod(hsv[..., 0] + hue_factor, 1.0))
+  hsv = hsv.at[..., 0].set(_frac(hsv[..., 0] + hue_factor))
   return hsv_to_rgb(hsv)
 
 
@@ -402,22 +417,28 @@ def color_jitter(x, params: JitterParams, ops: Tuple[str, ...]):
   """Applies the jitter ops `ops` (static names) to x [H, W, C] in the order params.order with params' factors.
 
   Brightness, contrast and saturation are all `_blend(x, target, factor)` with target black, the mean luma or the luma,
-  so one loop body selects the target (and the hue rotation when enabled) by op id: the loop is traced and compiled once
-  instead of once per position and op, which keeps compile times low.
+  so one unrolled loop over positions selects the target by op id. The hue rotation is ~10x dearer than a blend and
+  its position differs per image, so rather than evaluating it at every position, the blends before it are applied
+  (masked by position), then the rotation once, then the blends after it: the same sequence of operations per image.
   """
   op_ids = jnp.asarray([JITTER_OPS.index(name) for name in ops], jnp.int32)
   factors = jnp.stack([params.brightness, params.contrast, params.saturation, params.hue])
-  with_hue = 'hue' in ops
+  ops_in_order = op_ids[params.order]  # int32 [n]: the op applied at each position
+  hue_id = JITTER_OPS.index('hue')
+  hue_pos = jnp.argmax(ops_in_order == hue_id) if 'hue' in ops else len(ops)
 
-  def step(k, x):
-    op = op_ids[params.order[k]]
-    factor = factors[op]
-    gray = luma(x)
-    target = jnp.where(op == 0, 0.0, jnp.where(op == 1, jnp.mean(gray), gray))
-    blended = _blend(x, target, factor)
-    return jnp.where(op == 3, adjust_hue(x, factor), blended) if with_hue else blended
+  def blends(x, apply_at):
+    for k in range(len(ops)):
+      op = ops_in_order[k]
+      gray = luma(x)
+      target = jnp.where(op == 0, 0.0, jnp.where(op == 1, jnp.mean(gray), gray))
+      x = jnp.where(apply_at(k) & (op != hue_id), _blend(x, target, factors[op]), x)
+    return x
 
-  return jax.lax.fori_loop(0, len(ops), step, x)
+  x = blends(x, lambda k: k < hue_pos)
+  if 'hue' in ops:
+    x = blends(adjust_hue(x, params.hue), lambda k: k > hue_pos)
+  return x
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -453,12 +474,14 @@ def augment(key, image, cfg: AugmentConfig):
   out_hw = cfg.output_hw(height, width)
   u = jax.random.uniform(key, (_NUM_DRAWS,))
   x = to_float(image)
+  flip = u[_FLIP_DRAW] < cfg.flip_prob if cfg.flip_prob > 0.0 else False
   if cfg.crop:
-    x = crop_resize(x, _crop_box_from_uniforms(u[_CROP_DRAWS], height, width, cfg.crop_scale, cfg.crop_ratio), out_hw)
+    box = _crop_box_from_uniforms(u[_CROP_DRAWS], height, width, cfg.crop_scale, cfg.crop_ratio)
+    x = crop_resize(x, box, out_hw, flip)
   elif out_hw != (height, width):
-    x = crop_resize(x, jnp.asarray([0, 0, height, width], jnp.int32), out_hw)
-  if cfg.flip_prob > 0.0:
-    x = jnp.where(u[_FLIP_DRAW] < cfg.flip_prob, hflip(x), x)
+    x = crop_resize(x, jnp.asarray([0, 0, height, width], jnp.int32), out_hw, flip)
+  elif cfg.flip_prob > 0.0:
+    x = jnp.where(flip, hflip(x), x)
   ops = cfg.jitter_ops(num_channels)
   if ops:
     jittered = color_jitter(x, _jitter_params_from_uniforms(u[_JITTER_DRAWS], cfg, num_channels), ops)
