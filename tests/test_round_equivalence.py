@@ -94,7 +94,7 @@ def _assert_tree_close(actual, expected, what):
         f'{what}: {jax.tree_util.keystr(path)} err {err:.3g} scale {scale:.3g}')
 
 
-def _check_rounds(name, strategy, m, sequential=False, rounds=2):
+def _check_rounds(name, strategy, m, baseline=None, rounds=2):
   """Runs `rounds` engine rounds; before each, the reference loop starts from the same state.
 
   Comparing round by round (not whole trajectories) matters: these tiny BatchNorm networks on
@@ -104,8 +104,12 @@ def _check_rounds(name, strategy, m, sequential=False, rounds=2):
   algo, local_step = _algo(name)
   data = _data()
   cfg = _round_cfg(strategy, m)
-  step = (rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS) if sequential
-          else rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False))
+  if baseline == 'sequential':
+    step = rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS)
+  elif baseline == 'stepwise':
+    step = rd.make_stepwise_round_step(algo, cfg, NUM_CLIENTS)
+  else:
+    step = rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False)
   state = rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS)
   for r in range(rounds):
     key = rng.round_key(jax.random.PRNGKey(7), r)
@@ -133,9 +137,10 @@ def test_other_strategies_match_reference_loop(name, strategy):
   _check_rounds(name, strategy, 4)
 
 
-def test_full_participation_and_sequential_baseline():
+def test_full_participation_and_sequential_baselines():
   _check_rounds('fedu', 'vmap', NUM_CLIENTS)
-  _check_rounds('fedbyol', 'vmap', 4, sequential=True)
+  _check_rounds('fedbyol', 'vmap', 4, baseline='sequential')
+  _check_rounds('fedema', 'vmap', 4, baseline='stepwise')
 
 
 def test_map_chunks_with_remainder():

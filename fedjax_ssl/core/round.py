@@ -1,17 +1,22 @@
 """The generic round step: sample participants, broadcast, train locally, upload, aggregate, scatter.
 
 `make_round_step` returns ONE jitted pure function `round_step(state, fed_data, key)` with the state
-donated. `make_sequential_round_step` runs the same per-client function one client at a time from
-Python (the way FedJAX-style and the official PyTorch codes run clients); it is the benchmark's
-baseline and gives the same numbers.
+donated. Two slower baselines give the same numbers, for the benchmark:
+  * `make_stepwise_round_step` runs clients the way FedJAX's `for_each_client` (jit backend) and the
+    official PyTorch codes do: a Python loop over participants and, inside, over local steps, with
+    each batch gathered on the host and one jitted step call per batch;
+  * `make_sequential_round_step` is the strongest per-client loop: one jitted call per participant
+    that runs that client's whole local training as a scan.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.core import local, rng, strategies
@@ -141,6 +146,60 @@ def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: i
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
       outs.append(per_client(client, data.x[cid], data.y[cid], data.n[cid],
                              rng.client_key(key, cid), msg, lr))
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
+    return finish(state, ids, data.n[ids], *stacked, lr)
+
+  return round_step
+
+
+def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
+  """Same round, the FedJAX `for_each_client` way: for each participant a jitted `begin`, then a
+  Python loop over its real local steps (E * max(n // B, 1)), each batch gathered from host memory
+  with numpy and passed to one jitted step call, then a jitted `end`/`upload`; a jitted aggregation
+  last. Batches and keys are those of `local.train_client`, so the numbers are the same."""
+  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
+  m, bsz, epochs = cfg.clients_per_round, cfg.batch_size, cfg.local_epochs
+
+  @jax.jit
+  def prepare(state, data, key):
+    ids = sample_participants(key, data.num_clients, m)
+    return ids, algo.broadcast(state.server), cfg.lr_fn(state.round)
+
+  @functools.partial(jax.jit, static_argnames='n_max')
+  def begin(client, msg, ckey, n, n_max):
+    perms = local.epoch_permutations(ckey, n, n_max, epochs)
+    return algo.begin(client, msg, rng.begin_key(ckey)), perms
+
+  @jax.jit
+  def step(client, x, y, ckey, s, msg, lr):
+    return algo.local_step(client, {'x': x, 'y': y}, rng.step_key(ckey, s), msg, lr)
+
+  @jax.jit
+  def end(start, trained, msg):
+    trained = algo.end(start, trained, msg)
+    return trained, algo.upload(trained)
+
+  @jax.jit
+  def finish(state, ids, n_sel, new_sel, payloads, losses, lr):
+    return _finish_round(algo, state, ids, n_sel, new_sel, payloads, losses, lr)
+
+  def round_step(state: FedState, data: FedData, key: jax.Array):
+    ids, msg, lr = prepare(state, data, key)
+    x_host, y_host, n_host = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
+    outs = []
+    for cid in [int(i) for i in ids]:
+      client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
+      ckey, n = rng.client_key(key, cid), int(n_host[cid])
+      start, perms = begin(client, msg, ckey, n_host[cid], n_max=data.x.shape[1])
+      perms = np.asarray(perms)
+      spe = max(n // bsz, 1)
+      trained, losses = start, []
+      for s in range(epochs * spe):
+        idx = perms[s // spe, ((s % spe) * bsz + np.arange(bsz)) % n]
+        trained, loss = step(trained, x_host[cid, idx], y_host[cid, idx], ckey, s, msg, lr)
+        losses.append(loss)
+      trained, payload = end(start, trained, msg)
+      outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     return finish(state, ids, data.n[ids], *stacked, lr)
 
