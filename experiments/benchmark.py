@@ -11,10 +11,13 @@ momentum, on-device augmentation included) runs
   * `sequential`: the strongest per-client loop: one jitted call per client that runs its whole local
     training as a scan, then a jitted aggregation;
   * the stacked `round_step` under each execution strategy (vmap, map with chunk 1 and chunk 10, shard).
-All variants compute the same numbers (tests/test_round_equivalence.py). Reported: seconds per round
-(median of --repeats after a warm-up call that compiles), client-steps per second, the ratio to the
-sequential and stepwise loops, compile time, and memory (XLA's compiled-buffer estimate; peak device bytes where
-the backend reports them; the process's peak RSS).
+All variants compute the same numbers (tests/test_round_equivalence.py). Every variant first runs one
+compiling round; then the timed rounds are interleaved across variants (round r of each variant, then
+round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
+--repeats), client-steps per second, the ratios to the stepwise and sequential loops, compile time,
+XLA's compiled-buffer estimate per stacked variant and the process's peak RSS per setting. All
+variants of a setting are resident at once: memory permitting (ResNet-18 with 100 clients needs a
+large-memory machine).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import json
 import resource
 import statistics
 import time
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from absl import app, flags
 import jax
@@ -48,7 +51,7 @@ _AUGMENTATION = flags.DEFINE_string(
     'experiments/torch_reference.py).')
 _MAX_SECONDS = flags.DEFINE_float(
     'max_variant_seconds', 600.0,
-    'Skip the remaining variants of a setting once one timed round exceeds this (CPU ResNet-18).')
+    'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).')
 
 # Native input of each benchmark model, and its heads: BYOL projector/predictor sized to the encoder.
 _SETTINGS = {
@@ -84,27 +87,24 @@ def _data(shape, num_clients: int, per_client: int):
   return fed, ds
 
 
-def _memory(step, state, fed, key) -> Dict[str, float]:
-  out = {'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+def _compiled_mb(step, state, fed, key) -> Dict[str, float]:
+  """XLA's compiled-buffer estimate of a jitted round step (arguments + outputs + temporaries)."""
   try:
     ma = step.lower(state, fed, key).compile().memory_analysis()
-    out['compiled_mb'] = (ma.argument_size_in_bytes + ma.output_size_in_bytes +
-                          ma.temp_size_in_bytes - ma.alias_size_in_bytes) / 2**20
-  except Exception:  # sequential variant (not one jitted function) or no analysis on this backend
-    pass
-  stats = jax.devices()[0].memory_stats() or {}
-  if 'peak_bytes_in_use' in stats:
-    out['device_peak_mb'] = stats['peak_bytes_in_use'] / 2**20
-  return out
+    return {'compiled_mb': (ma.argument_size_in_bytes + ma.output_size_in_bytes +
+                            ma.temp_size_in_bytes - ma.alias_size_in_bytes) / 2**20}
+  except Exception:  # no memory analysis on this backend
+    return {}
 
 
 BASELINES = ('stepwise', 'sequential')
+_VARIANT_STRATEGY = {'stepwise': ('vmap', 1), 'sequential': ('vmap', 1), 'vmap': ('vmap', 1),
+                     'map': ('map', 1), 'map10': ('map', 10), 'shard': ('shard', 1)}
 
 
-def time_variant(model: str, num_clients: int, variant: str) -> Dict[str, float]:
-  strategy, chunk = {'stepwise': ('vmap', 1), 'sequential': ('vmap', 1), 'vmap': ('vmap', 1),
-                     'map': ('map', 1),
-                     'map10': ('map', 10), 'shard': ('shard', 1)}[variant]
+def prepare_variant(model: str, num_clients: int, variant: str) -> Dict[str, Any]:
+  """Builds a variant and runs its first (compiling) round; {'skipped': why} if it cannot run."""
+  strategy, chunk = _VARIANT_STRATEGY[variant]
   if strategy == 'shard' and num_clients % jax.device_count():
     return {'skipped': f'{num_clients} clients not divisible by {jax.device_count()} devices'}
   config = _config(model, num_clients, strategy, chunk)
@@ -120,27 +120,42 @@ def time_variant(model: str, num_clients: int, variant: str) -> Dict[str, float]
   state = rd.init_state(algo, jax.random.PRNGKey(0), num_clients)
   root = jax.random.PRNGKey(1)
   t0 = time.perf_counter()
-  state, m = step(state, fed, rng.round_key(root, 0))
+  state, metrics = step(state, fed, rng.round_key(root, 0))
   jax.block_until_ready(state)
-  first = time.perf_counter() - t0
-  times = []
+  return dict(step=step, state=state, fed=fed, root=root, metrics=metrics, times=[],
+              first=time.perf_counter() - t0)
+
+
+def time_setting(model: str, num_clients: int, variants: List[str]) -> Dict[str, Dict]:
+  """Times every variant on the same work. Rounds are interleaved (round r of every variant, then
+  round r + 1), so drift in the machine's speed (shared or thermally throttled CPUs) hits all
+  variants alike and the ratios stay meaningful."""
+  prepared = {v: prepare_variant(model, num_clients, v) for v in variants}
+  live = [v for v in variants if 'skipped' not in prepared[v]]
   for r in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    state, m = step(state, fed, rng.round_key(root, r + 1))
-    jax.block_until_ready(state)
-    times.append(time.perf_counter() - t0)
-    if times[-1] > _MAX_SECONDS.value:
-      break
-  sec = statistics.median(times)
-  out = {'seconds_per_round': sec, 'first_call_seconds': first,
-         'compile_seconds_est': max(first - sec, 0.0),
-         'client_steps_per_second': num_clients * _STEPS.value / sec,
-         'loss': float(m['loss'])}
-  if variant not in BASELINES:
-    out.update(_memory(step, state, fed, rng.round_key(root, 99)))
-  else:
-    out.update(_memory(None, None, None, None))
-  return out
+    for v in list(live):
+      p = prepared[v]
+      t0 = time.perf_counter()
+      p['state'], p['metrics'] = p['step'](p['state'], p['fed'], rng.round_key(p['root'], r + 1))
+      jax.block_until_ready(p['state'])
+      p['times'].append(time.perf_counter() - t0)
+      if p['times'][-1] > _MAX_SECONDS.value:
+        live.remove(v)
+  results = {}
+  for v, p in prepared.items():
+    if 'skipped' in p:
+      results[v] = p
+      continue
+    sec = statistics.median(p['times'])
+    results[v] = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
+                  'first_call_seconds': p['first'],
+                  'compile_seconds_est': max(p['first'] - sec, 0.0),
+                  'client_steps_per_second': num_clients * _STEPS.value / sec,
+                  'loss': float(p['metrics']['loss'])}
+    if v not in BASELINES:
+      results[v].update(_compiled_mb(p['step'], p['state'], p['fed'],
+                                     rng.round_key(p['root'], 99)))
+  return results
 
 
 def run() -> List[Dict]:
@@ -152,19 +167,20 @@ def run() -> List[Dict]:
   print(json.dumps(info))
   for model in _MODELS.value:
     for num_clients in [int(c) for c in _CLIENTS.value]:
-      results = {}
-      for variant in _VARIANTS.value:
-        results[variant] = time_variant(model, num_clients, variant)
-        print(f'{model:10s} C={num_clients:4d} {variant:10s} {json.dumps(results[variant])}',
-              flush=True)
-        if results[variant].get('seconds_per_round', 0) > _MAX_SECONDS.value:
-          break
+      results = time_setting(model, num_clients, list(_VARIANTS.value))
+      for variant, r in results.items():
+        print(f'{model:10s} C={num_clients:4d} {variant:10s} {json.dumps(r)}', flush=True)
       for baseline in BASELINES:
         base = results.get(baseline, {}).get('seconds_per_round')
         for r in results.values():
           if base and 'seconds_per_round' in r:
             r[f'speedup_vs_{baseline}'] = base / r['seconds_per_round']
-      rows.append({'model': model, 'clients': num_clients, 'results': results})
+      row = {'model': model, 'clients': num_clients, 'results': results,
+             'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+      stats = jax.devices()[0].memory_stats() or {}
+      if 'peak_bytes_in_use' in stats:  # accelerators; cumulative over the process
+        row['device_peak_mb'] = stats['peak_bytes_in_use'] / 2**20
+      rows.append(row)
       for baseline in BASELINES:
         summary = ', '.join(f'{v}: {r[f"speedup_vs_{baseline}"]:.2f}x' for v, r in results.items()
                             if f'speedup_vs_{baseline}' in r)
