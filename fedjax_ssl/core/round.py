@@ -123,21 +123,27 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   return jax.jit(round_step, donate_argnums=(0,) if donate else ())
 
 
-def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
-  """Same round, clients one at a time from Python: one jitted call per participant, then a jitted
-  aggregation. Used as the benchmark baseline (the FedJAX `for_each_client` / PyTorch-loop way)."""
-  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
-  per_client = jax.jit(client_round_fn(algo, cfg))
-  m = cfg.clients_per_round
-
+def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, Callable]:
+  """The jitted round start (participants, broadcast, lr) and end (aggregate, scatter) shared by the
+  two Python-loop baselines."""
   @jax.jit
   def prepare(state, data, key):
-    ids = sample_participants(key, data.num_clients, m)
+    ids = sample_participants(key, data.num_clients, cfg.clients_per_round)
     return ids, algo.broadcast(state.server), cfg.lr_fn(state.round)
 
   @jax.jit
   def finish(state, ids, n_sel, new_sel, payloads, losses, lr):
     return _finish_round(algo, state, ids, n_sel, new_sel, payloads, losses, lr)
+
+  return prepare, finish
+
+
+def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
+  """Same round, clients one at a time from Python: one jitted call per participant, then a jitted
+  aggregation. Used as the benchmark baseline (the FedJAX `for_each_client` / PyTorch-loop way)."""
+  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
+  per_client = jax.jit(client_round_fn(algo, cfg))
+  prepare, finish = _loop_prepare_finish(algo, cfg)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, msg, lr = prepare(state, data, key)
@@ -158,12 +164,8 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   with numpy and passed to one jitted step call, then a jitted `end`/`upload`; a jitted aggregation
   last. Batches and keys are those of `local.train_client`, so the numbers are the same."""
   validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
-  m, bsz, epochs = cfg.clients_per_round, cfg.batch_size, cfg.local_epochs
-
-  @jax.jit
-  def prepare(state, data, key):
-    ids = sample_participants(key, data.num_clients, m)
-    return ids, algo.broadcast(state.server), cfg.lr_fn(state.round)
+  bsz, epochs = cfg.batch_size, cfg.local_epochs
+  prepare, finish = _loop_prepare_finish(algo, cfg)
 
   @functools.partial(jax.jit, static_argnames='n_max')
   def begin(client, msg, ckey, n, n_max):
@@ -178,10 +180,6 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   def end(start, trained, msg):
     trained = algo.end(start, trained, msg)
     return trained, algo.upload(trained)
-
-  @jax.jit
-  def finish(state, ids, n_sel, new_sel, payloads, losses, lr):
-    return _finish_round(algo, state, ids, n_sel, new_sel, payloads, losses, lr)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, msg, lr = prepare(state, data, key)
