@@ -90,6 +90,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.probe_epochs = 100
   c.probe_batch_size = 512
   c.probe_lr = 3e-3
+  c.probe_standardize = False     # z-score features first (not the papers' protocol)
   c.checkpoint_every = 10
   return c
 
@@ -252,7 +253,7 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
                                                  temperature=config.knn_temperature))
   if probe and config.probe_epochs > 0:
     kw = dict(epochs=config.probe_epochs, batch_size=config.probe_batch_size, lr=config.probe_lr,
-              seed=config.seed)
+              seed=config.seed, standardize=config.probe_standardize)
     if per_client:
       res = fs_eval.linear_probe_stack(train_f, dataset.train_y, test_f, dataset.test_y,
                                        dataset.num_classes, **kw)

@@ -1,6 +1,6 @@
 """The training binary end to end on the shipped Fashion-MNIST subset: a run killed with SIGKILL
-and resumed from its workdir ends in exactly the state (and log) of an uninterrupted run; config
-errors are reported before any compute."""
+and resumed from its workdir ends in exactly the state (and log) of an uninterrupted run, and
+experiments.reprobe reproduces its probe accuracies; config errors are reported before any compute."""
 import json
 import os
 import pathlib
@@ -84,6 +84,15 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
   res = json.loads((killed / 'results.json').read_text())
   assert 0.0 < res['final']['probe_acc'] <= 1.0
   assert (killed / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+  # experiments.reprobe with the run's own protocol reproduces both of the run's probe accuracies.
+  out = subprocess.run([sys.executable, '-m', 'experiments.reprobe', f'--workdir={killed}'],
+                       cwd=REPO, env=_env(), check=True, capture_output=True, text=True, timeout=600)
+  again = json.loads(out.stdout.strip().splitlines()[-1])
+  assert again['round'] == ROUNDS
+  np.testing.assert_allclose(again['trained_probe_acc'], res['final']['probe_acc'], atol=1e-6)
+  np.testing.assert_allclose(again['random_init_probe_acc'], res['random_init']['probe_acc'],
+                             atol=1e-6)
 
 
 @pytest.mark.parametrize('override, message', [

@@ -1,0 +1,73 @@
+r"""Re-evaluates a training workdir's encoders with another linear-probe protocol.
+
+  python -m experiments.reprobe --workdir DIR --probe_epochs 100 --standardize
+
+Rebuilds the random-init state from the run's own config and seed, restores the trained state from
+the run's checkpoints (read-only: safe next to a running job; the latest round unless --round), and
+prints the linear-probe accuracy of both encoders as JSON (also written to
+DIR/reprobe_<epochs>ep[_std].json). Without flags it re-runs the run's own probe protocol and
+reproduces its final probe accuracy (tests/test_train_binary.py). Use it to check that a margin over
+random features survives a stronger probe (BUILD_NOTES.md, "Quickstart").
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+import jax
+import ml_collections
+
+from fedjax_ssl import checkpoint, experiment
+from fedjax_ssl.core import round as rd
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of an experiments.train run.', required=True)
+_EPOCHS = flags.DEFINE_integer('probe_epochs', None, "Probe epochs (default: the run's own).")
+_STANDARDIZE = flags.DEFINE_bool('standardize', False, 'z-score the features before the probe.')
+_ROUND = flags.DEFINE_integer('round', None, 'Checkpointed round to evaluate (default: latest).')
+
+
+def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+  """The run's config.json over today's defaults (keys added since the run get their defaults)."""
+  path = workdir / 'config.json'
+  if not path.exists():
+    raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
+  config = experiment.default_config()
+  config.update(json.loads(path.read_text()))
+  return config
+
+
+def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
+            round_idx: int | None) -> dict:
+  """{'round', 'probe_epochs', 'standardize', 'random_init_probe_acc', 'trained_probe_acc'}."""
+  config = load_run_config(workdir)
+  if probe_epochs is not None:
+    config.probe_epochs = probe_epochs
+  config.probe_standardize = standardize
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  # The same init key as experiments.train, so this is the run's own random-init encoder.
+  init_key, _ = jax.random.split(jax.random.PRNGKey(config.seed))
+  random_state = rd.init_state(algo, init_key, config.num_clients)
+  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+    if ckpt.latest_round() is None:
+      raise FileNotFoundError(f'no checkpoint under {workdir / "checkpoints"}')
+    round_done, trained_state, _ = ckpt.restore(random_state, round_idx)
+  evaluate = lambda state: experiment.evaluate(config, algo, state, dataset, knn=False)['probe_acc']
+  return {'round': round_done, 'probe_epochs': config.probe_epochs, 'standardize': standardize,
+          'random_init_probe_acc': evaluate(random_state),
+          'trained_probe_acc': evaluate(trained_state)}
+
+
+def main(argv):
+  del argv
+  workdir = pathlib.Path(_WORKDIR.value)
+  out = reprobe(workdir, _EPOCHS.value, _STANDARDIZE.value, _ROUND.value)
+  suffix = '_std' if out['standardize'] else ''
+  (workdir / f'reprobe_{out["probe_epochs"]}ep{suffix}.json').write_text(json.dumps(out, indent=2))
+  print(json.dumps(out))
+
+
+if __name__ == '__main__':
+  app.run(main)
