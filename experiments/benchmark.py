@@ -16,11 +16,12 @@ compiling round; then the timed rounds are interleaved across variants (round r 
 round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
 --repeats), client-steps per second, the ratios to the stepwise and sequential loops, compile time,
 XLA's compiled-buffer estimate per stacked variant and the process's peak RSS per setting. All
-variants of a setting are resident at once: memory permitting (ResNet-18 with 100 clients needs a
-large-memory machine).
+variants of a setting are resident at once; `--nointerleave` times them one at a time instead, for
+settings that do not fit in memory together (ResNet-18 on a 24 GB CPU box).
 """
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import statistics
@@ -49,6 +50,11 @@ _AUGMENTATION = flags.DEFINE_string(
     'augmentation', 'byol_easyfl',
     "Augmentation preset of the views ('none' = model compute only, to compare with "
     'experiments/torch_reference.py).')
+_INTERLEAVE = flags.DEFINE_bool(
+    'interleave', True,
+    'Keep every variant of a setting resident and interleave their timed rounds (robust ratios on a '
+    'machine whose speed drifts). --nointerleave times one variant at a time and frees it before the '
+    'next: for settings whose variants do not fit in memory together (ResNet-18 on CPU).')
 _MAX_SECONDS = flags.DEFINE_float(
     'max_variant_seconds', 600.0,
     'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).')
@@ -126,36 +132,52 @@ def prepare_variant(model: str, num_clients: int, variant: str) -> Dict[str, Any
               first=time.perf_counter() - t0)
 
 
+def _time_round(p: Dict[str, Any], r: int) -> None:
+  t0 = time.perf_counter()
+  p['state'], p['metrics'] = p['step'](p['state'], p['fed'], rng.round_key(p['root'], r))
+  jax.block_until_ready(p['state'])
+  p['times'].append(time.perf_counter() - t0)
+
+
+def _summary(p: Dict[str, Any], variant: str, num_clients: int) -> Dict[str, Any]:
+  """Timing record of a prepared-and-timed variant (frees nothing)."""
+  if 'skipped' in p:
+    return p
+  sec = statistics.median(p['times'])
+  out = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
+         'first_call_seconds': p['first'], 'compile_seconds_est': max(p['first'] - sec, 0.0),
+         'client_steps_per_second': num_clients * _STEPS.value / sec,
+         'loss': float(p['metrics']['loss'])}
+  if variant not in BASELINES:
+    out.update(_compiled_mb(p['step'], p['state'], p['fed'], rng.round_key(p['root'], 99)))
+  return out
+
+
 def time_setting(model: str, num_clients: int, variants: List[str]) -> Dict[str, Dict]:
-  """Times every variant on the same work. Rounds are interleaved (round r of every variant, then
-  round r + 1), so drift in the machine's speed (shared or thermally throttled CPUs) hits all
-  variants alike and the ratios stay meaningful."""
+  """Times every variant on the same work. With --interleave (default) all variants are prepared
+  first and their timed rounds interleaved (round r of every variant, then round r + 1), so drift in
+  the machine's speed (shared or throttled CPUs) hits all variants alike and the ratios stay
+  meaningful; otherwise one variant at a time, each freed before the next."""
+  if not _INTERLEAVE.value:
+    results = {}
+    for v in variants:
+      p = prepare_variant(model, num_clients, v)
+      for r in range(_REPEATS.value if 'skipped' not in p else 0):
+        _time_round(p, r + 1)
+        if p['times'][-1] > _MAX_SECONDS.value:
+          break
+      results[v] = _summary(p, v, num_clients)
+      del p
+      gc.collect()
+    return results
   prepared = {v: prepare_variant(model, num_clients, v) for v in variants}
   live = [v for v in variants if 'skipped' not in prepared[v]]
   for r in range(_REPEATS.value):
     for v in list(live):
-      p = prepared[v]
-      t0 = time.perf_counter()
-      p['state'], p['metrics'] = p['step'](p['state'], p['fed'], rng.round_key(p['root'], r + 1))
-      jax.block_until_ready(p['state'])
-      p['times'].append(time.perf_counter() - t0)
-      if p['times'][-1] > _MAX_SECONDS.value:
+      _time_round(prepared[v], r + 1)
+      if prepared[v]['times'][-1] > _MAX_SECONDS.value:
         live.remove(v)
-  results = {}
-  for v, p in prepared.items():
-    if 'skipped' in p:
-      results[v] = p
-      continue
-    sec = statistics.median(p['times'])
-    results[v] = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
-                  'first_call_seconds': p['first'],
-                  'compile_seconds_est': max(p['first'] - sec, 0.0),
-                  'client_steps_per_second': num_clients * _STEPS.value / sec,
-                  'loss': float(p['metrics']['loss'])}
-    if v not in BASELINES:
-      results[v].update(_compiled_mb(p['step'], p['state'], p['fed'],
-                                     rng.round_key(p['root'], 99)))
-  return results
+  return {v: _summary(p, v, num_clients) for v, p in prepared.items()}
 
 
 def run() -> List[Dict]:
