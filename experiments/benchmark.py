@@ -140,7 +140,7 @@ def _time_round(p: Dict[str, Any], r: int) -> None:
 
 
 def _summary(p: Dict[str, Any], variant: str, num_clients: int) -> Dict[str, Any]:
-  """Timing record of a prepared-and-timed variant (frees nothing)."""
+  """Timing record of a prepared and timed variant."""
   if 'skipped' in p:
     return p
   sec = statistics.median(p['times'])
@@ -162,12 +162,13 @@ def time_setting(model: str, num_clients: int, variants: List[str]) -> Dict[str,
     results = {}
     for v in variants:
       p = prepare_variant(model, num_clients, v)
-      for r in range(_REPEATS.value if 'skipped' not in p else 0):
-        _time_round(p, r + 1)
-        if p['times'][-1] > _MAX_SECONDS.value:
-          break
+      if 'skipped' not in p:
+        for r in range(1, _REPEATS.value + 1):
+          _time_round(p, r)
+          if p['times'][-1] > _MAX_SECONDS.value:
+            break
       results[v] = _summary(p, v, num_clients)
-      del p
+      del p  # this variant's state and executables go before the next one is built
       gc.collect()
     return results
   prepared = {v: prepare_variant(model, num_clients, v) for v in variants}

@@ -329,8 +329,8 @@ def rgb_to_hsv(rgb):
   """float [..., 3] RGB in [0, 1] -> HSV in [0, 1] (torchvision's _rgb2hsv; hue is a fraction of the circle)."""
   r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
   # Elementwise max/min, not jnp.max(rgb, axis=-1): the hue sector is picked by exact tests such as maxc == r, and
-  # XLA:CPU (jax 0.10.2), once the producer of rgb is fused in, evaluates them against a reduce-max that does not
-  # equal any channel, sending pixels to the wrong sector (hue errors up to 0.75; tests/test_augment.py).
+  # with a reduce-max XLA:CPU (jax 0.10.2) got those tests wrong once the producer of rgb was fused in, sending
+  # pixels to the wrong sector (hue errors up to 0.75; test_hue_after_fused_producer_under_jit).
   maxc = jnp.maximum(jnp.maximum(r, g), b)
   minc = jnp.minimum(jnp.minimum(r, g), b)
   eqc = maxc == minc
@@ -417,7 +417,7 @@ def color_jitter(x, params: JitterParams, ops: Tuple[str, ...]):
   """Applies the jitter ops `ops` (static names) to x [H, W, C] in the order params.order with params' factors.
 
   Brightness, contrast and saturation are all `_blend(x, target, factor)` with target black, the mean luma or the luma,
-  so one unrolled loop over positions selects the target by op id. The hue rotation is ~10x dearer than a blend and
+  so one unrolled loop over positions selects the target by op id. The hue rotation costs several blends, and
   its position differs per image, so rather than evaluating it at every position, the blends before it are applied
   (masked by position), then the rotation once, then the blends after it: the same sequence of operations per image.
   """
