@@ -28,13 +28,15 @@ import statistics
 import time
 from typing import Any, Dict, List
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.core import rng, strategies
+from fedjax_ssl.data import augment
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset, FedData
 
@@ -213,8 +215,31 @@ def run() -> List[Dict]:
   return [info] + rows
 
 
+def check_flags() -> None:
+  """Raises cv.ConfigError naming the flag, its value and what is allowed (before any compute)."""
+  for name, values, allowed in (('models', _MODELS.value, list(_SETTINGS)),
+                                ('variants', _VARIANTS.value, list(_VARIANT_STRATEGY))):
+    for value in values:
+      if value not in allowed:
+        raise cv.ConfigError(f'--{name} = {",".join(values)!r} is invalid: {value!r} is not one of '
+                             f'{allowed}')
+  for value in _CLIENTS.value:
+    if not value.isdigit() or int(value) < 1:
+      raise cv.ConfigError(f'--clients = {",".join(_CLIENTS.value)!r} is invalid: must be '
+                           'comma-separated integers >= 1')
+  for name, value in (('local_steps', _STEPS.value), ('repeats', _REPEATS.value)):
+    if value < 1:
+      raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
+  if _BATCH.value < 2:
+    raise cv.ConfigError(f'--batch_size = {_BATCH.value} is invalid: must be an integer >= 2')
+  if _AUGMENTATION.value not in augment.PRESETS:
+    raise cv.ConfigError(f'--augmentation = {_AUGMENTATION.value!r} is invalid: must be one of '
+                         f'{sorted(augment.PRESETS)}')
+
+
 def main(argv):
   del argv
+  check_flags()
   rows = run()
   with open(_OUT.value, 'w') as f:
     json.dump({'info': rows[0], 'rows': rows[1:]}, f, indent=2)
@@ -222,4 +247,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cv.run(main)

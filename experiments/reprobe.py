@@ -7,18 +7,20 @@ the run's checkpoints (read-only: safe next to a running job; the latest round u
 prints the linear-probe accuracy of both encoders as JSON (also written to
 DIR/reprobe_<epochs>ep[_std].json). Without flags it re-runs the run's own probe protocol and
 reproduces its final probe accuracy (tests/test_train_binary.py). Use it to check that a margin over
-random features survives a stronger probe (BUILD_NOTES.md, "Quickstart").
+random features survives a stronger probe (BUILD_NOTES.md, "Quickstart"). Library logs go to
+DIR/reprobe.log (warnings also to the console); a config error is one `error: ...` line on stderr.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 
-from absl import app, flags
+from absl import flags
 import jax
 import ml_collections
 
-from fedjax_ssl import checkpoint, experiment
+from fedjax_ssl import checkpoint, experiment, logging_utils
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of an experiments.train run.', required=True)
@@ -45,7 +47,10 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
     config.probe_epochs = probe_epochs
   config.probe_standardize = standardize
   experiment.validate_config(config)
+  known_before_loading = experiment.dataset_info(config) is not None
   dataset = experiment.load_data(config)
+  if not known_before_loading:
+    experiment.check_data_config(config, experiment.DatasetInfo.of(dataset))
   algo = experiment.build_algorithm(config, dataset)
   # The same init key as experiments.train, so this is the run's own random-init encoder.
   init_key, _ = jax.random.split(jax.random.PRNGKey(config.seed))
@@ -63,11 +68,14 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
 def main(argv):
   del argv
   workdir = pathlib.Path(_WORKDIR.value)
-  out = reprobe(workdir, _EPOCHS.value, _STANDARDIZE.value, _ROUND.value)
+  with logging_utils.RunLog() as log:
+    if workdir.is_dir():
+      log.open(workdir / 'reprobe.log')
+    out = reprobe(workdir, _EPOCHS.value, _STANDARDIZE.value, _ROUND.value)
   suffix = '_std' if out['standardize'] else ''
   (workdir / f'reprobe_{out["probe_epochs"]}ep{suffix}.json').write_text(json.dumps(out, indent=2))
   print(json.dumps(out))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cv.run(main, reference=experiment.default_config)

@@ -3,13 +3,17 @@ r"""Federated SSL training binary.
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/quickstart
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/q --config.rounds=5
 
-The config is validated before anything is computed. Progress is a bar over rounds with the live
-loss; metrics go to WORKDIR/metrics.jsonl and TensorBoard events under WORKDIR/tb; orbax checkpoints
-(atomic) every `checkpoint_every` rounds under WORKDIR/checkpoints. Re-running with the same workdir
-resumes from the latest checkpoint and ends in exactly the state an uninterrupted run reaches: every
-random draw of round r derives from fold_in(root_key, r), and the log is truncated to the restored
-round. At the end: linear probe and kNN of the trained encoder next to those of the random-init
-encoder (WORKDIR/results.json) and a plot of loss and accuracy against rounds (WORKDIR/metrics.png).
+The config is validated before any data is loaded or any model is built; a config error (also an
+unknown `--config.key`) is one `error: ...` line on stderr and exit status 1. The console shows the
+partition table, a bar over rounds with the live loss, one line per evaluated round and the final
+comparison; library logs (orbax, absl, jax, tfds; INFO and up) go to WORKDIR/train.log, warnings and
+errors also to the console. Metrics go to WORKDIR/metrics.jsonl and TensorBoard events under
+WORKDIR/tb; orbax checkpoints (atomic) every `checkpoint_every` rounds under WORKDIR/checkpoints.
+Re-running with the same workdir resumes from the latest checkpoint and ends in exactly the state an
+uninterrupted run reaches: every random draw of round r derives from fold_in(root_key, r), and the
+log is truncated to the restored round. At the end: linear probe and kNN of the trained encoder next
+to those of the random-init encoder (WORKDIR/results.json) and a plot of loss and accuracy against
+rounds (WORKDIR/metrics.png).
 """
 from __future__ import annotations
 
@@ -18,12 +22,13 @@ import os
 import pathlib
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 import jax
 from ml_collections import config_flags
 
 from fedjax_ssl import checkpoint, experiment, logging_utils, plotting
-from fedjax_ssl.core import rng
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.core import rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import partition
 
@@ -31,6 +36,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and results.')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+LOG_FILE = 'train.log'
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
@@ -45,19 +52,60 @@ def _scalars(results: dict) -> dict:
   return {k: v for k, v in results.items() if not isinstance(v, list)}
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-  """Runs (or resumes) the configured experiment; returns the final results dict."""
-  experiment.validate_config(config)
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+_EVAL_KEYS = ('knn_acc', 'probe_acc', 'probe_std_acc')
 
+
+def _metrics_text(record: dict) -> str:
+  keys = [k for k in ('loss',) + _EVAL_KEYS if k in record]
+  return '  '.join(f'{k} {record[k]:.4f}' for k in keys)
+
+
+def _data_summary(config, dataset) -> str:
+  scheme = config.partition + (f'(alpha={config.alpha})' if config.partition == 'dirichlet' else
+                               f'(k={config.classes_per_client})' if config.partition == 'classes'
+                               else '')
+  public = f', {config.public_size} public' if config.public_size else ''
+  return (f'{dataset.name}: {len(dataset.train_y)} train / {len(dataset.test_y)} test '
+          f'images{public}; {config.num_clients} clients, {scheme} partition, '
+          f'{config.clients_per_round} per round')
+
+
+def train_and_evaluate(config, workdir: str, *, verbose: bool = True,
+                       bar_position: int = 0) -> dict:
+  """Runs (or resumes) the configured experiment; returns the final results dict.
+
+  verbose=False leaves out the lines meant for a person (partition table, per-evaluation metrics,
+  closing summary; experiments.reproduce prints its own table): only the bar and warnings reach
+  the console. bar_position places the rounds bar under an outer bar (tqdm `position`). Library
+  logs go to WORKDIR/train.log (appended on resume), whatever `verbose`.
+  """
+  with logging_utils.RunLog() as log:
+    experiment.validate_config(config)
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log.open(workdir / LOG_FILE)
+    return _run(config, workdir, verbose=verbose, bar_position=bar_position)
+
+
+def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> dict:
+  def say(message):  # a line for a person: train.log always, the console when verbose
+    logging_utils.say(message, echo=verbose)
+  logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
+                    echo=False)
+  known_before_loading = experiment.dataset_info(config) is not None
   dataset = experiment.load_data(config)
+  if not known_before_loading:  # validate_config could not check the sizes: check them now
+    experiment.check_data_config(config, experiment.DatasetInfo.of(dataset))
   fed_data, info = experiment.build_fed_data(config, dataset)
-  logging.info('dataset %s: %d train / %d test, %d clients, sizes %s\n%s', dataset.name,
-               len(dataset.train_y), len(dataset.test_y), config.num_clients,
-               [int(v) for v in fed_data.n], partition.format_histogram(info['histogram']))
+  say(_data_summary(config, dataset) + '\n' +
+      partition.format_histogram(info['histogram']))
   algo = experiment.build_algorithm(config, dataset)
   round_step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
+  devices = jax.device_count()
+  say(f'{algo.name} / {config.ssl_method}, {config.encoder} encoder, {config.rounds} '
+      f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
+      f'device{"s" if devices > 1 else ""}), strategy '
+      f'{strategies.resolve_strategy(config.strategy)!r}')
 
   init_key, run_key = jax.random.split(jax.random.PRNGKey(config.seed))
   state = rd.init_state(algo, init_key, config.num_clients)
@@ -65,18 +113,22 @@ def train_and_evaluate(config, workdir: str) -> dict:
   random_init_path = workdir / 'random_init.json'
   if random_init_path.exists():
     random_init = json.loads(random_init_path.read_text())
+    took = f'(from {random_init_path.name})'
   else:
     t0 = time.time()
     random_init = experiment.evaluate(config, algo, state, dataset)
     _write_json(random_init_path, random_init)
-    logging.info('random-init encoder: %s (%.1fs)', random_init, time.time() - t0)
+    took = f'({time.time() - t0:.1f}s)'
+  width = len(str(config.rounds))
+  say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
+      f'{_metrics_text(_scalars(random_init))}  {took}')
 
   ckpt = checkpoint.Checkpointer(workdir / 'checkpoints', save_every=config.checkpoint_every)
   writer = logging_utils.MetricsWriter(str(workdir))
   start = 0
   if ckpt.latest_round() is not None:
     start, state, _ = ckpt.restore(state)
-    logging.info('resumed from round %d', start)
+    say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
   if start == 0:
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
@@ -86,18 +138,28 @@ def train_and_evaluate(config, workdir: str) -> dict:
     writer.truncate_after(start)
 
   final = None
-  bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}')
+  bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
+                               position=bar_position, leave=bar_position == 0)
+  t_start = time.time()
   for r in range(start, config.rounds):
     state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
     record = {k: float(v) for k, v in metrics.items()}
+    evaluated = True
     if r + 1 == config.rounds:
       final = experiment.evaluate(config, algo, state, dataset)
       record.update(_scalars(final))
     elif config.eval_every and (r + 1) % config.eval_every == 0:
       record.update(experiment.evaluate(config, algo, state, dataset, probe=False))
+    else:
+      evaluated = False
     # One record per round, written before that round's checkpoint: a resumed run truncates the
     # log to its checkpoint and so never duplicates or loses a round.
     writer.write(r + 1, record)
+    if evaluated:
+      say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
+          f'({time.time() - t_start:.0f}s elapsed)')
+    else:
+      logging_utils.say(f'round {r + 1}/{config.rounds}  {_metrics_text(record)}', echo=False)
     bar.set_metrics(record)
     bar.update(1)
     ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
@@ -113,16 +175,21 @@ def train_and_evaluate(config, workdir: str) -> dict:
   _write_json(workdir / 'results.json', results)
 
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+  accs = ['knn_acc', 'probe_acc'] + (['probe_std_acc'] if 'probe_std_acc' in final else [])
   plotting.plot_metrics(
-      records, str(workdir / 'metrics.png'), keys=['loss', 'knn_acc', 'probe_acc'],
+      records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
-      hlines={'knn_acc': {'random-init encoder': random_init.get('knn_acc')},
-              'probe_acc': {'random-init encoder': random_init.get('probe_acc')}})
-  print(f'linear probe accuracy: trained encoder {final.get("probe_acc", float("nan")):.4f} | '
-        f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
-  print(f'kNN accuracy:          trained encoder {final.get("knn_acc", float("nan")):.4f} | '
-        f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
-  print(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}')
+      hlines={k: {'random-init encoder': random_init[k]} for k in accs if k in random_init})
+  say(f'linear probe accuracy: trained encoder {final.get("probe_acc", float("nan")):.4f} | '
+      f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
+  if 'probe_std_acc' in final:
+    say(f'standardised probe:    trained encoder {final["probe_std_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("probe_std_acc", float("nan")):.4f}  '
+        f'({config.probe_std_epochs} epochs on z-scored features)')
+  say(f'kNN accuracy:          trained encoder {final.get("knn_acc", float("nan")):.4f} | '
+      f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
+  say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
+      f'log: {workdir / LOG_FILE}')
   return results
 
 
@@ -133,4 +200,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cv.run(main, reference=experiment.default_config)

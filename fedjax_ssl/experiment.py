@@ -13,9 +13,15 @@ builders:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Tuple
+import gzip
+import pathlib
+import zipfile
+from typing import Any, Dict, Optional, Tuple
 
+from absl import logging
+import flax
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -62,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.head_bn = True
   c.augmentation = 'byol_easyfl'  # augment.PRESETS name
   c.temperature = 0.5             # SimCLR NT-Xent
-  c.nt_xent_zero_diagonal = False  # FedU2 code quirk (specs/fedu2.md A18)
+  c.nt_xent_zero_diagonal = False  # FedU2 code quirk (arXiv:2403.16398; BUILD_NOTES "Losses and evaluation")
   c.ema_tau = 0.99                # BYOL target EMA
   c.byol_target_sync = 'keep'     # keep (EasyFL) | reset (FedSC FedAvg+BYOL)
   c.dapu_threshold = 0.4          # FedU
@@ -91,16 +97,26 @@ def default_config() -> ml_collections.ConfigDict:
   c.probe_batch_size = 512
   c.probe_lr = 3e-3
   c.probe_standardize = False     # z-score features first (not the papers' protocol)
+  # > 0: a second probe on z-scored features for that many epochs ('probe_std_acc'), so a result
+  # also shows whether the encoder beats random features under a well-conditioned probe.
+  c.probe_std_epochs = 0
   c.checkpoint_every = 10
   return c
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises cv.ConfigError naming the bad key, its value and what is allowed. Runs no compute."""
+  """Raises cv.ConfigError naming the bad key, its value and what is allowed. Runs no compute.
+
+  Besides each key's own range it checks the keys against each other and against the dataset's
+  sizes and image shape, known without loading it (`dataset_info`): train_size, public_size and
+  num_clients against the training split, knn_k against the kNN memory bank, the encoder against
+  the image size. Loads no data and builds no model (the encoder is traced abstractly, no FLOPs).
+  """
   cv.check_known_keys(config, default_config())
   cv.check_choice('algorithm', config.algorithm, ALGORITHMS)
   cv.check_choice('ssl_method', config.ssl_method, ssl_client.SSL_METHODS)
   cv.check_choice('dataset', config.dataset, sources.NAMES)
+  cv.check_choice('data_source', config.data_source, sources.SOURCES)
   cv.check_choice('partition', config.partition, PARTITIONS)
   cv.check_choice('encoder', config.encoder, tuple(models.ENCODERS))
   cv.check_choice('conv_impl', config.conv_impl, models.layers.CONV_IMPLS)
@@ -110,6 +126,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('optimizer', config.optimizer, optim.OPTIMIZERS)
   cv.check_choice('lr_schedule', config.lr_schedule, optim.LR_SCHEDULES)
   cv.check_choice('strategy', config.strategy, ('auto',) + strategies.STRATEGIES)
+  if not isinstance(config.data_dir, str):
+    raise cv.ConfigError(f'config.data_dir = {config.data_dir!r} is invalid: must be a path string '
+                         "('' = the source's default location)")
+  cv.check_int_range('seed', config.seed, 0, 2**31 - 1)
   cv.check_int_range('num_clients', config.num_clients, 1, 1_000_000)
   cv.check_int_range('clients_per_round', config.clients_per_round, 1, config.num_clients)
   cv.check_int_range('rounds', config.rounds, 1, 10_000_000)
@@ -122,22 +142,25 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_int_range('checkpoint_every', config.checkpoint_every, 1, 10_000_000)
   cv.check_int_range('knn_k', config.knn_k, 1, 10_000_000)
   cv.check_int_range('probe_epochs', config.probe_epochs, 0, 100_000)
+  cv.check_int_range('probe_std_epochs', config.probe_std_epochs, 0, 100_000)
   cv.check_int_range('probe_batch_size', config.probe_batch_size, 1, 10_000_000)
-  cv.check_float_range('lr', config.lr, 0.0, float('inf'), inclusive=(False, True))
+  cv.check_float_range('lr', config.lr, 0.0, None, inclusive=(False, True))
   cv.check_float_range('momentum', config.momentum, 0.0, 1.0, inclusive=(True, False))
-  cv.check_float_range('weight_decay', config.weight_decay, 0.0, float('inf'))
-  cv.check_float_range('grad_clip_norm', config.grad_clip_norm, 0.0, float('inf'))
+  cv.check_float_range('weight_decay', config.weight_decay, 0.0, None)
+  cv.check_float_range('grad_clip_norm', config.grad_clip_norm, 0.0, None)
   cv.check_float_range('ema_tau', config.ema_tau, 0.0, 1.0)
-  cv.check_float_range('temperature', config.temperature, 0.0, float('inf'), inclusive=(False, True))
-  cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, float('inf'),
+  cv.check_float_range('temperature', config.temperature, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
                        inclusive=(False, True))
-  cv.check_float_range('probe_lr', config.probe_lr, 0.0, float('inf'), inclusive=(False, True))
-  cv.check_float_range('dapu_threshold', config.dapu_threshold, 0.0, float('inf'),
+  cv.check_float_range('probe_lr', config.probe_lr, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('dapu_threshold', config.dapu_threshold, 0.0, None,
                        inclusive=(False, True))
-  cv.check_float_range('autoscaler_tau', config.autoscaler_tau, 0.0, float('inf'),
+  cv.check_float_range('autoscaler_tau', config.autoscaler_tau, 0.0, None,
                        inclusive=(False, True))
   if config.partition == 'dirichlet':
-    cv.check_float_range('alpha', config.alpha, 0.0, float('inf'), inclusive=(False, True))
+    cv.check_float_range('alpha', config.alpha, 0.0, None, inclusive=(False, True))
+  if config.partition == 'classes':
+    cv.check_int_range('classes_per_client', config.classes_per_client, 1, 1_000_000)
   if config.algorithm == 'centralized' and config.num_clients != 1:
     raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for algorithm '
                          f"'centralized': it must be 1 (all data on one client)")
@@ -147,8 +170,202 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.heads == 'custom':
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
-  strategies.check_participants(strategies.resolve_strategy(config.strategy),
-                                config.clients_per_round, config.map_chunk_size)
+  try:
+    strategies.check_participants(strategies.resolve_strategy(config.strategy),
+                                  config.clients_per_round, config.map_chunk_size)
+  except ValueError as e:  # its messages already name the key and the value
+    raise cv.ConfigError(f'config.{e}') from None
+  _check_data_source(config)
+  info = dataset_info(config)
+  if info is not None:  # None: sizes only known once loaded (experiments.train checks them then)
+    check_data_config(config, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+  """What the config checks need to know of a dataset: sizes, image shape, number of classes."""
+  name: str
+  num_train: int
+  num_test: int
+  image_shape: Tuple[int, int, int]
+  num_classes: int
+
+  @classmethod
+  def of(cls, dataset: Dataset) -> 'DatasetInfo':
+    """The info of a loaded dataset (after load_data's train_size cut)."""
+    return cls(dataset.name, len(dataset.train_y), len(dataset.test_y),
+               tuple(int(s) for s in dataset.image_shape), int(dataset.num_classes))
+
+
+# The tfds catalog splits (tfds.builder(name).info.splits / features; fixed by the datasets' own
+# definitions). The original MNIST / Fashion-MNIST IDX files hold the same splits.
+CATALOG_INFO = {
+    'cifar10': DatasetInfo('cifar10', 50_000, 10_000, (32, 32, 3), 10),
+    'cifar100': DatasetInfo('cifar100', 50_000, 10_000, (32, 32, 3), 100),
+    'mnist': DatasetInfo('mnist', 60_000, 10_000, (28, 28, 1), 10),
+    'fashion_mnist': DatasetInfo('fashion_mnist', 60_000, 10_000, (28, 28, 1), 10),
+}
+_ONE_SOURCE = ('synthetic', 'fashion_mnist_subset')
+
+
+def _check_data_source(config: ml_collections.ConfigDict) -> None:
+  """data_source / data_dir against the dataset (what load_dataset would reject, checked early)."""
+  name, source, data_dir = config.dataset, config.data_source, config.data_dir
+  if name in _ONE_SOURCE and source != 'auto':
+    raise cv.ConfigError(f'config.data_source = {source!r} is invalid for config.dataset = '
+                         f"{name!r}: must be 'auto' (the dataset has a single source)")
+  if source == 'idx':
+    if name not in sources.IDX_NAMES:
+      raise cv.ConfigError(f"config.data_source = 'idx' is invalid for config.dataset = {name!r}: "
+                           f"IDX files exist for {sources.IDX_NAMES} only; use 'auto' or 'tfds'")
+    directory = data_dir or sources._DEFAULT_IDX_DIRS.get(name)  # pylint: disable=protected-access
+    if directory is None:
+      raise cv.ConfigError(f"config.data_dir = '' is invalid for config.data_source = 'idx' and "
+                           f'config.dataset = {name!r}: must name the directory of the IDX files')
+    if not sources._has_idx_files(directory):  # pylint: disable=protected-access
+      raise cv.ConfigError(
+          f'config.data_dir = {data_dir!r} is invalid for config.data_source = \'idx\': '
+          f'{directory} does not hold the IDX files {list(sources.IDX_FILES.values())} (each '
+          f'optionally .gz)' + ('; install the Debian package dataset-fashion-mnist or set '
+                                'config.data_dir' if not data_dir else ''))
+  if name == 'fashion_mnist_subset' and data_dir and not pathlib.Path(data_dir).is_file():
+    raise cv.ConfigError(f'config.data_dir = {data_dir!r} is invalid for config.dataset = '
+                         "'fashion_mnist_subset': must be the path of the subset's .npz file "
+                         "('' = the shipped tests/data/fashion_mnist_subset.npz)")
+
+
+def _idx_shape(path: pathlib.Path) -> Tuple[int, ...]:
+  """The array shape in an IDX file's header (gzipped or not), reading only the header."""
+  with open(path, 'rb') as f:
+    gzipped = f.read(2) == b'\x1f\x8b'
+  with (gzip.open(path, 'rb') if gzipped else open(path, 'rb')) as f:
+    magic = f.read(4)
+    if len(magic) != 4 or magic[:2] != b'\0\0':
+      raise ValueError(f'{path}: not an IDX file')
+    dims = f.read(4 * magic[3])
+  return tuple(int(d) for d in np.frombuffer(dims, '>u4'))
+
+
+def _npz_shapes(path: pathlib.Path, keys) -> Dict[str, Tuple[int, ...]]:
+  """The shapes of arrays `keys` of an .npz file, reading only their .npy headers."""
+  shapes = {}
+  with zipfile.ZipFile(path) as zf:
+    for key in keys:
+      with zf.open(f'{key}.npy') as f:
+        version = np.lib.format.read_magic(f)
+        read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                np.lib.format.read_array_header_2_0)
+        shapes[key] = tuple(read(f)[0])
+  return shapes
+
+
+def dataset_info(config: ml_collections.ConfigDict) -> Optional[DatasetInfo]:
+  """Sizes and image shape of the configured dataset (before load_data's train_size cut), known
+  without loading it: the tfds catalog's constants, the synthetic set's defaults, and the headers of
+  the shipped subset's .npz or of the IDX files `load_data` would read. None where the files do not
+  exist or cannot be read (load_data then reports the problem)."""
+  name, source, data_dir = config.dataset, config.data_source, config.data_dir or None
+  try:
+    if name == 'synthetic':  # load_data passes no overrides: the defaults of make_synthetic
+      d = sources._SYNTHETIC_DEFAULTS  # pylint: disable=protected-access
+      return DatasetInfo(name, d['num_train'], d['num_test'], tuple(d['image_shape']),
+                         d['num_classes'])
+    if name == 'fashion_mnist_subset':
+      path = pathlib.Path(data_dir) if data_dir else sources.subset_path()
+      shapes = _npz_shapes(path, ('train_x', 'test_x'))
+      return DatasetInfo(name, shapes['train_x'][0], shapes['test_x'][0],
+                         tuple(shapes['train_x'][1:]), 10)
+    idx_dir = None  # the same resolution as sources.load_dataset
+    default_dir = sources._DEFAULT_IDX_DIRS.get(name)  # pylint: disable=protected-access
+    has_idx = sources._has_idx_files  # pylint: disable=protected-access
+    if name in sources.IDX_NAMES and source == 'idx':
+      idx_dir = data_dir or default_dir
+    elif name in sources.IDX_NAMES and source == 'auto':
+      if has_idx(data_dir):
+        idx_dir = data_dir
+      elif data_dir is None and has_idx(default_dir):
+        idx_dir = default_dir
+    if idx_dir is None:
+      return CATALOG_INFO[name]
+    find = sources._find_idx_file  # pylint: disable=protected-access
+    train = _idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['train_x']))
+    test = _idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['test_x']))
+    return DatasetInfo(name, train[0], test[0], tuple(train[1:]) + (1,), 10)
+  except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile):
+    return None
+
+
+def _encoder_input_error(encoder: str, input_shape: Tuple[int, int, int]) -> Optional[str]:
+  """Why `encoder` cannot take [B, *input_shape] images (None if it can). Traced abstractly with
+  `jax.eval_shape`: no parameters are allocated and nothing is computed."""
+  module = models.get_encoder(encoder, conv_impl='xla')  # same shapes as im2col, no backend query
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  x = jax.ShapeDtypeStruct((2,) + tuple(input_shape), jnp.float32)
+  try:
+    jax.eval_shape(lambda k, v: module.init(k, v, train=False), key, x)
+  except (ValueError, TypeError, flax.errors.FlaxError) as e:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+  return None
+
+
+def check_data_config(config: ml_collections.ConfigDict, info: DatasetInfo) -> None:
+  """The checks of `config` against the dataset's sizes and image shape.
+
+  validate_config runs them with `dataset_info(config)`, before any data is loaded;
+  experiments.train runs them on the loaded dataset (`DatasetInfo.of`) when its sizes were not
+  known beforehand.
+  """
+  split = f'the {info.name} training split'
+  if config.train_size > info.num_train:
+    raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: must be <= '
+                         f'{info.num_train}, the size of {split} (0 = all of it)')
+  n = config.train_size or info.num_train
+  source = f'config.train_size = {config.train_size}' if config.train_size else f'all of {split}'
+  if config.public_size >= n:
+    raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid: must be < {n}, '
+                         f'the number of training examples ({source})')
+  left = n - config.public_size
+  left_text = (f'{left} training examples ({source}, minus config.public_size = '
+               f'{config.public_size})' if config.public_size else
+               f'{left} training examples ({source})')
+  # Every client needs examples to train on; the Dirichlet partition redraws until each has at
+  # least partition.DEFAULT_MIN_SIZE.
+  per_client = partition.DEFAULT_MIN_SIZE if config.partition == 'dirichlet' else 1
+  if left < config.num_clients * per_client:
+    raise cv.ConfigError(
+        f'config.num_clients = {config.num_clients} is invalid: {left_text} cannot give every '
+        f'client {"at least " if per_client > 1 else ""}{per_client} example'
+        f'{"s" if per_client > 1 else ""} (config.partition = {config.partition!r}); must be <= '
+        f'{left // per_client}')
+  if config.partition == 'classes':
+    k, num_classes = config.classes_per_client, info.num_classes
+    if k > num_classes:
+      raise cv.ConfigError(f'config.classes_per_client = {k} is invalid: must be <= {num_classes}, '
+                           f'the number of classes of {info.name}')
+    slots = config.num_clients * k
+    if slots > num_classes and slots % num_classes:
+      raise cv.ConfigError(
+          f'config.classes_per_client = {k} is invalid with config.num_clients = '
+          f'{config.num_clients}: num_clients * classes_per_client = {slots} exceeds the '
+          f'{num_classes} classes of {info.name}, so classes are shared between clients (shard '
+          f'mode) and {slots} must be a multiple of {num_classes}')
+  if config.knn_k > n:
+    raise cv.ConfigError(f'config.knn_k = {config.knn_k} is invalid: must be <= {n}, the number of '
+                         f'training examples in the kNN memory bank ({source})')
+  h, w, c = info.image_shape
+  out_h, out_w = augment.preset(config.augmentation, h).output_hw(h, w)
+  reason = _encoder_input_error(config.encoder, (out_h, out_w, c))
+  if reason is not None:
+    fits = [e for e in models.ENCODERS if _encoder_input_error(e, (out_h, out_w, c)) is None]
+    raise cv.ConfigError(f'config.encoder = {config.encoder!r} is invalid for the '
+                         f'{out_h}x{out_w}x{c} images of {info.name} ({reason}); encoders that '
+                         f'take them: {fits}')
+  average = left // config.num_clients
+  if config.batch_size > average:
+    logging.warning(
+        'config.batch_size = %d exceeds the average client size %d (%s over %d clients): clients '
+        'with fewer than batch_size examples make one step per local epoch on a batch that repeats '
+        'their examples', config.batch_size, average, left_text, config.num_clients)
 
 
 def load_data(config: ml_collections.ConfigDict) -> Dataset:
@@ -251,16 +468,20 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
       out['knn_acc'] = float(fs_eval.knn_monitor(train_f, dataset.train_y, test_f, dataset.test_y,
                                                  dataset.num_classes, k=config.knn_k,
                                                  temperature=config.knn_temperature))
-  if probe and config.probe_epochs > 0:
-    kw = dict(epochs=config.probe_epochs, batch_size=config.probe_batch_size, lr=config.probe_lr,
-              seed=config.seed, standardize=config.probe_standardize)
+  probes = [('probe_acc', config.probe_epochs, config.probe_standardize),
+            ('probe_std_acc', config.probe_std_epochs, True)]
+  for key, epochs, standardize in probes:
+    if not probe or epochs == 0:
+      continue
+    kw = dict(epochs=epochs, batch_size=config.probe_batch_size, lr=config.probe_lr,
+              seed=config.seed, standardize=standardize)
     if per_client:
       res = fs_eval.linear_probe_stack(train_f, dataset.train_y, test_f, dataset.test_y,
                                        dataset.num_classes, **kw)
-      out['probe_acc'] = float(res['mean_test_acc'])
-      out['probe_acc_clients'] = [float(a) for a in np.asarray(res['test_acc'])]
+      out[key] = float(res['mean_test_acc'])
+      out[f'{key}_clients'] = [float(a) for a in np.asarray(res['test_acc'])]
     else:
       res = fs_eval.linear_probe(train_f, dataset.train_y, test_f, dataset.test_y,
                                  dataset.num_classes, **kw)
-      out['probe_acc'] = float(res['test_acc'])
+      out[key] = float(res['test_acc'])
   return out

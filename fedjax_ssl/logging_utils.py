@@ -1,21 +1,30 @@
-"""Per-round metrics logging (JSONL + TensorBoard) and a tqdm progress bar.
+"""Per-round metrics logging (JSONL + TensorBoard), a tqdm progress bar, and a run's log file.
 
 ``<workdir>/metrics.jsonl`` holds one JSON object per line,
 ``{"round": r, "<metric>": value, ...}``; TensorBoard event files (written by
 tensorboardX, no TensorFlow needed) go to ``<workdir>/tb``. On resume from a
 checkpoint taken at round ``r`` call ``truncate_after(r)`` before writing, so
 the log of an interrupted-and-resumed run equals an uninterrupted run's.
+
+``RunLog`` keeps the console for people: within it, library logging (absl,
+orbax, jax, tfds; INFO and up) goes to a log file in the workdir, only warnings
+and errors reach the console (through ``tqdm.write``, so they do not break a
+progress bar), and ``say`` prints the lines meant for a person.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 import os
+import sys
 import tempfile
 import time
-from typing import Any, Mapping
+from typing import Any, List, Mapping, Optional
 
+from absl import flags
+from absl import logging as absl_logging
 import numpy as np
 import tqdm
 from tensorboardX import SummaryWriter
@@ -194,3 +203,152 @@ def progress(total: int, initial: int = 0, desc: str = 'rounds',
   """
   return Progress(total=total, initial=initial, desc=desc, disable=disable,
                   dynamic_ncols=True, **tqdm_kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's log file and a quiet console
+# ----------------------------------------------------------------------------------------------
+_log = logging.getLogger('fedjax_ssl')
+
+
+def say(message: str, echo: bool = True) -> None:
+  """A line meant for a person: logged at INFO (so it is in the run's log file) and, with
+  ``echo``, printed to stdout through ``tqdm.write`` (a running bar is redrawn below it)."""
+  _log.info(message, stacklevel=2)
+  if echo:
+    tqdm.tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
+
+
+class ConsoleHandler(logging.Handler):
+  """Writes records to the current ``sys.stderr`` through ``tqdm.write``, so that a warning
+  printed while a progress bar runs does not break the bar."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      tqdm.tqdm.write(self.format(record), file=sys.stderr)
+    except Exception:  # pylint: disable=broad-except  (logging's own convention)
+      self.handleError(record)
+
+
+class _Buffer(logging.Handler):
+  """Keeps the first ``capacity`` records until the log file is opened."""
+
+  def __init__(self, capacity: int = 10_000):
+    super().__init__()
+    self.capacity = capacity
+    self.records: List[logging.LogRecord] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if len(self.records) < self.capacity:
+      self.records.append(record)
+
+
+_STD_STREAMS = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+
+
+def _is_console(handler: logging.Handler) -> bool:
+  """Whether ``handler`` writes to the terminal (absl's handler, a stdout/stderr StreamHandler)."""
+  if isinstance(handler, (ConsoleHandler, absl_logging.ABSLHandler)):
+    return True
+  return (isinstance(handler, logging.StreamHandler) and
+          not isinstance(handler, logging.FileHandler) and
+          getattr(handler, 'stream', None) in _STD_STREAMS + (sys.stdout, sys.stderr))
+
+
+def _logs_wanted_on_stderr() -> bool:
+  """Whether the user asked absl for every log line on stderr (--logtostderr, --alsologtostderr)."""
+  try:
+    return flags.FLAGS.is_parsed() and bool(flags.FLAGS['logtostderr'].value or
+                                            flags.FLAGS['alsologtostderr'].value)
+  except (KeyError, AttributeError):
+    return False
+
+
+class RunLog:
+  """Routes logging for one run (a context manager; ``open`` names the log file).
+
+  Within it: the root logger's console handlers (absl's handler under ``app.run``, stderr stream
+  handlers) are replaced by a ``ConsoleHandler`` at ``console_level`` (WARNING: warnings and errors
+  still reach the terminal; with absl's --logtostderr / --alsologtostderr every level does), and
+  every record from INFO up (DEBUG too with absl's -v 1) is kept until ``open(path)`` and then
+  appended to ``path``, so the records logged before the workdir exists (config validation, the
+  jax backend's start) are in the file as well. On exit every handler, level and file is put back
+  or closed, so runs made one after another in a process neither stack handlers nor write into an
+  earlier run's file; other handlers (pytest's, a caller's file handler) are left untouched.
+
+    with RunLog() as log:
+      validate(config)                       # warnings go to the console now
+      log.open(workdir / 'train.log')
+      ...                                    # orbax/absl/jax INFO -> train.log only
+  """
+
+  def __init__(self, console_level: int = logging.WARNING, file_level: int = logging.INFO):
+    self.console_level = console_level
+    self.file_level = file_level
+    self.path: Optional[str] = None
+    self._file: Optional[logging.FileHandler] = None
+    self._buffer: Optional[_Buffer] = None
+    self._console: Optional[ConsoleHandler] = None
+    self._removed: List[logging.Handler] = []
+    self._saved: List[logging.Handler] = []
+    self._root_level = logging.NOTSET
+    self._absl_level = logging.NOTSET
+
+  def __enter__(self) -> 'RunLog':
+    root = logging.getLogger()
+    absl_logger = absl_logging.get_absl_logger()
+    self._root_level, self._absl_level = root.level, absl_logger.level
+    formatter = absl_logging.PythonFormatter()
+    self._saved = list(root.handlers)
+    self._removed = [h for h in root.handlers if _is_console(h)]
+    for handler in self._removed:
+      root.removeHandler(handler)
+    self._console = ConsoleHandler(
+        logging.NOTSET if _logs_wanted_on_stderr() else self.console_level)
+    self._console.setFormatter(formatter)
+    self._buffer = _Buffer()
+    self._buffer.setLevel(self.file_level)
+    root.addHandler(self._console)
+    root.addHandler(self._buffer)
+    # INFO must reach the handlers; a finer level set by the user (absl -v 1) is kept.
+    if root.getEffectiveLevel() > self.file_level:
+      root.setLevel(self.file_level)
+    if absl_logger.level > self.file_level:
+      absl_logger.setLevel(self.file_level)
+    return self
+
+  def open(self, path) -> None:
+    """Appends this run's records to ``path`` from now on (and the ones kept so far)."""
+    if self._file is not None:
+      raise RuntimeError(f'RunLog already writes to {self.path}')
+    self.path = str(path)
+    handler = logging.FileHandler(self.path, mode='a', encoding='utf-8')
+    handler.setLevel(self.file_level)
+    handler.setFormatter(absl_logging.PythonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    self._file = handler
+    if self._buffer is not None:
+      root.removeHandler(self._buffer)
+      for record in self._buffer.records:
+        if record.levelno >= handler.level:
+          handler.handle(record)
+      self._buffer = None
+
+  def __exit__(self, *exc) -> None:
+    root = logging.getLogger()
+    mine = [h for h in (self._file, self._buffer, self._console) if h is not None]
+    for handler in mine:
+      root.removeHandler(handler)
+      handler.close()
+    self._file = self._buffer = self._console = None
+    # The caller's handlers in their order (handlers others added meanwhile stay, after them).
+    added = [h for h in root.handlers if h not in self._saved]
+    for handler in list(root.handlers):
+      root.removeHandler(handler)
+    for handler in self._saved + added:
+      root.addHandler(handler)
+    self._saved, self._removed = [], []
+    root.setLevel(self._root_level)
+    absl_logging.get_absl_logger().setLevel(self._absl_level)

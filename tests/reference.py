@@ -12,6 +12,14 @@ import numpy as np
 from fedjax_ssl.core import rng
 from fedjax_ssl.core.round import sample_participants
 
+# Deliberate one-place bugs, so a test can show the engine comparison fails on each kind:
+#   batch  — the first participant's first batch is shifted by one row (B - 1 rows shared);
+#   key    — the first participant's first step uses the key of step 1;
+#   mask   — the smallest participant makes one surplus step that should be masked;
+#   weight — server weights n_k + 1 instead of n_k (off by one example);
+#   client — the first participant trains on the second participant's data.
+PERTURBATIONS = ('batch', 'key', 'mask', 'weight', 'client')
+
 
 def _take(tree, i):
   return jax.tree_util.tree_map(lambda a: np.asarray(a)[i], tree)
@@ -26,7 +34,7 @@ def numpy_weighted_mean(payloads, weights):
 
 
 def reference_round(algo, local_step, clients, server, data, key, round_idx, *, clients_per_round,
-                    batch_size, local_epochs, lr_fn, aggregates=True):
+                    batch_size, local_epochs, lr_fn, aggregates=True, perturb=None):
   """Returns (clients, server, mean loss) after one round.
 
   Args:
@@ -36,7 +44,10 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     server: server state.
     data: FedData.
     aggregates: False for algorithms whose server keeps nothing (independent).
+    perturb: None, or one of PERTURBATIONS (a deliberate bug, for testing the comparison).
   """
+  if perturb not in (None,) + PERTURBATIONS:
+    raise ValueError(f'perturb = {perturb!r} is invalid: must be None or one of {PERTURBATIONS}')
   x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
   num_clients, n_max = x.shape[0], x.shape[1]
   ids = [int(i) for i in np.asarray(sample_participants(key, num_clients, clients_per_round))]
@@ -44,27 +55,36 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
   lr = lr_fn(round_idx)
   new = {}
   payloads, losses = [], []
-  for cid in ids:
+  smallest = min(ids, key=lambda c: (n_all[c], c))
+  for pos, cid in enumerate(ids):
     ckey = rng.client_key(key, cid)
     n = int(n_all[cid])
     spe = max(n // batch_size, 1)
     client = algo.begin(_take(clients, cid), msg, rng.begin_key(ckey))
     start = client
     step_losses = []
-    for s in range(local_epochs * spe):
+    # The bug only touches the first participant's first step ('mask': the smallest participant).
+    first = pos == 0
+    data_cid = ids[1] if perturb == 'client' and first else cid
+    num_steps = local_epochs * spe + (perturb == 'mask' and cid == smallest)
+    for s in range(num_steps):
       epoch, j = divmod(s, spe)
+      epoch = min(epoch, local_epochs - 1)
       u = np.asarray(jax.random.uniform(rng.epoch_permutation_key(ckey, epoch), (n_max,)))
       order = np.argsort(np.where(np.arange(n_max) < n, u, 2.0), kind='stable')
       assert set(order[:n]) == set(range(n))
-      idx = order[(j * batch_size + np.arange(batch_size)) % n]
-      client, loss = local_step(client, {'x': x[cid][idx], 'y': y[cid][idx]},
-                                rng.step_key(ckey, s), msg, lr)
+      shift = int(perturb == 'batch' and first and s == 0)
+      idx = order[(j * batch_size + np.arange(batch_size) + shift) % n]
+      step_key = rng.step_key(ckey, s + int(perturb == 'key' and first and s == 0))
+      client, loss = local_step(client, {'x': x[data_cid][idx], 'y': y[data_cid][idx]},
+                                step_key, msg, lr)
       step_losses.append(float(loss))
     client = algo.end(start, client, msg)
     new[cid] = client
     payloads.append(algo.upload(client))
     losses.append(np.mean(step_losses))
-  weights = n_all[ids] / n_all[ids].sum()
+  counts = n_all[ids] + (perturb == 'weight')
+  weights = counts / counts.sum()
   server = numpy_weighted_mean(payloads, weights) if aggregates else server
 
   def scatter(stacked, *per_client):

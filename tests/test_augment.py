@@ -13,6 +13,17 @@ from scipy import stats
 from fedjax_ssl.data import augment as aug
 
 LUMA = np.array([0.299, 0.587, 0.114])
+# Tolerances below are in units of float32's machine epsilon, derived from the arithmetic under test, so that a
+# verdict does not depend on how XLA:CPU vectorises it for the host's instruction set (SSE4.2 / AVX2 / AVX-512 round
+# differently) while a wrong formula (errors of 1e-3 or more) still fails.
+EPS32 = float(np.finfo(np.float32).eps)
+# The colour ops are dtype-generic: under jax.enable_x64 with float64 images they run in float64, where they must
+# match the float64 references to rounding (ops chain ~10 roundings of values <= 6: ~1e-15).
+F64_ATOL = 1e-12
+# float32 colour ops: the hue path (rgb -> hsv -> rgb) accumulates a few roundings in h, then hsv_to_rgb scales h by 6
+# (sector position f = 6h - i) and forms v·(1 - s·f): tens of eps at worst (observed <= 6 eps on SSE4.2 and AVX2).
+# The other ops are one or two blends (observed < 1 eps).
+F32_COLOR_ATOL = 128 * EPS32
 
 
 def _images(seed, n, h, w, c, lo=0, hi=256):
@@ -118,7 +129,7 @@ def _torchvision_box_ref(area_fracs, log_ratios, u_top, u_left, height, width, r
 
 def test_presets_match_specs():
   p = aug.PRESETS
-  expected = {  # (scale, (b, c, s, h), jitter_prob, flip, gray) from the specs
+  expected = {  # (scale, (b, c, s, h), jitter_prob, flip, gray) from the reference codes
       'byol_easyfl': ((0.08, 1.0), (0.8, 0.8, 0.8, 0.2), 0.8, 0.5, 0.2),
       'fedsc': ((0.2, 1.0), (0.4, 0.4, 0.4, 0.1), 0.8, 0.5, 0.2),
       'fedu2': ((0.2, 1.0), (0.8, 0.8, 0.8, 0.2), 0.8, 0.5, 0.2),
@@ -263,7 +274,9 @@ def test_grayscale_rate_and_values(p):
   out = np.asarray(aug.augment_batch(jax.random.key(9), x, aug.AugmentConfig(grayscale_prob=p)))
   ref = _float_ref(x)
   gray_ref = np.broadcast_to(_luma_ref(ref), ref.shape)
-  gray = np.array([np.allclose(out[i], gray_ref[i], atol=1e-6, rtol=0) for i in range(n)])
+  # Luma is 3 products + 2 sums of values <= 1 in float32 (a few eps; observed < 1 eps): 32 eps separates grey images
+  # from kept ones, which differ from their grey version by >= 0.5 here.
+  gray = np.array([np.allclose(out[i], gray_ref[i], atol=32 * EPS32, rtol=0) for i in range(n)])
   kept = np.array([np.array_equal(out[i], ref[i]) for i in range(n)])
   assert np.all(gray ^ kept)
   assert _binomial_ok(gray.sum(), n, p), gray.sum()
@@ -378,7 +391,12 @@ def test_crop_resize_downscale_by_two_is_block_mean():
 def test_crop_resize_matches_reference(box, out_hw):
   x = _float_ref(_images(10, 1, 8, 8, 3)[0])
   out = np.asarray(_crop_resize(jnp.asarray(x), jnp.array(box), out_hw))
-  np.testing.assert_allclose(out, _bilinear_ref(x, *box, *out_hw), atol=1e-6)
+  # The tap coordinate src = (d + 0.5)·(length / out_len) - 0.5 is float32 by design (torch's arithmetic), so its
+  # weight carries up to ~3 roundings of a value <= length; times a pixel difference <= 1 on each axis, plus the two
+  # blends' roundings: about 3·eps·(length + 1) at worst. 4·eps·(length + 1) (observed <= 1.8 eps, >= 18x margin);
+  # a wrong tap or coordinate convention is off by > 1e-2.
+  atol = 4 * EPS32 * (max(box[2], box[3]) + 1)
+  np.testing.assert_allclose(out, _bilinear_ref(x, *box, *out_hw), atol=atol)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -399,15 +417,29 @@ def test_single_color_ops_match_reference(op, factor):
   x = _rgb_pixels()
   fn = {'brightness': aug.adjust_brightness, 'contrast': aug.adjust_contrast, 'saturation': aug.adjust_saturation,
         'hue': aug.adjust_hue}[op]
+  ref = _REF_OPS[op](x, factor)
+  # The formula, exactly: the same op in float64 against the float64 reference.
+  with jax.enable_x64(True):
+    out64 = jax.jit(fn)(jnp.asarray(x, jnp.float64), factor)
+    assert out64.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(out64), ref, atol=F64_ATOL, rtol=0)
+  # The float32 path (what augmentation runs), to float32 rounding.
   out = np.asarray(jax.jit(fn)(jnp.asarray(x), factor))
-  np.testing.assert_allclose(out, _REF_OPS[op](x, factor), atol=2e-6)
+  np.testing.assert_allclose(out, ref, atol=F32_COLOR_ATOL, rtol=0)
 
 
 def test_hsv_round_trip_matches_colorsys():
   x = _rgb_pixels().reshape(-1, 3)
+  ref = [colorsys.rgb_to_hsv(*p) for p in x.astype(np.float64)]
+  with jax.enable_x64(True):
+    hsv64 = jax.jit(aug.rgb_to_hsv)(jnp.asarray(x, jnp.float64))
+    assert hsv64.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(hsv64), ref, atol=F64_ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(jax.jit(aug.hsv_to_rgb)(hsv64)), x, atol=F64_ATOL, rtol=0)
+  # float32 (observed: rgb_to_hsv <= 1 eps, the round trip <= 4.5 eps).
   hsv = np.asarray(jax.jit(aug.rgb_to_hsv)(jnp.asarray(x)))
-  np.testing.assert_allclose(hsv, [colorsys.rgb_to_hsv(*p) for p in x.astype(np.float64)], atol=1e-6)
-  np.testing.assert_allclose(np.asarray(jax.jit(aug.hsv_to_rgb)(jnp.asarray(hsv))), x, atol=1e-6)
+  np.testing.assert_allclose(hsv, ref, atol=F32_COLOR_ATOL, rtol=0)
+  np.testing.assert_allclose(np.asarray(jax.jit(aug.hsv_to_rgb)(jnp.asarray(hsv))), x, atol=F32_COLOR_ATOL, rtol=0)
 
 
 def test_color_ops_on_grayscale_images():

@@ -1,13 +1,20 @@
-"""Tests for fedjax_ssl.config_validation (messages checked verbatim)."""
+"""Tests for fedjax_ssl.config_validation and experiment.validate_config's cross-key checks
+(messages checked verbatim)."""
 
+import gzip
+import logging
 import re
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 
+from fedjax_ssl import experiment
 from fedjax_ssl.config_validation import (ConfigError, check_choice, check_float_range,
-                                          check_int_range, check_known_keys, check_positive)
+                                          check_int_range, check_known_keys, check_positive,
+                                          error_line, unknown_override)
+from fedjax_ssl.data import sources
 
 
 def _reference():
@@ -108,3 +115,204 @@ def test_check_positive():
   _raises(lambda: check_positive('alpha', float('nan')),
           'config.alpha = nan is invalid: must be > 0')
   _raises(lambda: check_positive('alpha', None), 'config.alpha = None is invalid: must be > 0')
+
+
+# ----------------------------------------------------------------------------------------------
+# Binaries: one-line errors and unknown --config.<key> overrides
+# ----------------------------------------------------------------------------------------------
+def test_error_line_is_one_line():
+  assert error_line(ConfigError('config.k = 3 is invalid')) == 'error: config.k = 3 is invalid'
+  assert (error_line('Failed loading\n  Attempted:\n    a.py\n') ==
+          'error: Failed loading Attempted: a.py')
+
+
+def test_unknown_override_names_key_flag_and_close_matches():
+  argv = ['prog', '--config=c.py', '--config.num_rounds=3', '--config.optim.lrr=0.1']
+  error = unknown_override(argv, _reference())
+  assert str(error) == ("unknown config key 'config.optim.lrr' in --config.optim.lrr=0.1 (did you "
+                        "mean 'config.optim.lr'?); known keys at config.optim: ['lr', 'momentum']")
+  error = unknown_override(['prog', '--config.bogus_key=3'], _reference())
+  assert str(error).startswith("unknown config key 'config.bogus_key' in --config.bogus_key=3; "
+                               "known keys at config: ['data', 'method'")
+  error = unknown_override(['prog', '--config.method.x=1'], _reference())
+  assert str(error) == ("unknown config key 'config.method.x' in --config.method.x=1: "
+                        "config.method = 'fedbyol' is a str, not a config dict")
+  assert unknown_override(['prog', '--config.data.alpha=1', '--noconfig.method', '--workdir=x',
+                           '--', '--config.zzz=1'], _reference()) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# experiment.validate_config: cross-key checks against the dataset's known sizes and shapes
+# ----------------------------------------------------------------------------------------------
+def _cfg(**overrides):
+  config = experiment.default_config()
+  config.dataset = 'synthetic'  # 2,000 train / 500 test images, 32x32x3, 10 classes; no files
+  config.update(overrides)
+  return config
+
+
+def _invalid(message, **overrides):
+  _raises(lambda: experiment.validate_config(_cfg(**overrides)), message)
+
+
+def test_knn_k_vs_training_examples():  # the issue's case: --config.train_size=64, knn_k 200
+  _invalid('config.knn_k = 200 is invalid: must be <= 64, the number of training examples in the '
+           'kNN memory bank (config.train_size = 64)', train_size=64)
+  _invalid('config.knn_k = 2001 is invalid: must be <= 2000, the number of training examples in '
+           'the kNN memory bank (all of the synthetic training split)', knn_k=2001)
+  experiment.validate_config(_cfg(train_size=64, knn_k=64))
+
+
+def test_train_size_vs_dataset_size():
+  _invalid('config.train_size = 2001 is invalid: must be <= 2000, the size of the synthetic '
+           'training split (0 = all of it)', train_size=2001)
+
+
+def test_public_size_vs_training_examples():
+  _invalid('config.public_size = 2000 is invalid: must be < 2000, the number of training examples '
+           '(all of the synthetic training split)', public_size=2000)
+
+
+def test_num_clients_vs_examples_left_after_public_set():
+  _invalid("config.num_clients = 101 is invalid: 200 training examples (config.train_size = 300, "
+           "minus config.public_size = 100) cannot give every client at least 2 examples "
+           "(config.partition = 'dirichlet'); must be <= 100",
+           train_size=300, public_size=100, knn_k=10, num_clients=101, clients_per_round=5)
+  _invalid("config.num_clients = 51 is invalid: 50 training examples (config.train_size = 50) "
+           "cannot give every client 1 example (config.partition = 'iid'); must be <= 50",
+           train_size=50, knn_k=10, partition='iid', num_clients=51, clients_per_round=5)
+  experiment.validate_config(_cfg(train_size=50, knn_k=10, partition='iid', num_clients=50,
+                                  clients_per_round=5, batch_size=2))
+
+
+def test_classes_per_client_vs_number_of_classes():
+  _invalid('config.classes_per_client = 11 is invalid: must be <= 10, the number of classes of '
+           'synthetic', partition='classes', classes_per_client=11)
+  _invalid('config.classes_per_client = 0 is invalid: must be an integer in [1, 1000000]',
+           partition='classes', classes_per_client=0)
+
+
+def test_classes_shard_mode_needs_a_multiple_of_the_classes():
+  _invalid('config.classes_per_client = 3 is invalid with config.num_clients = 4: num_clients * '
+           'classes_per_client = 12 exceeds the 10 classes of synthetic, so classes are shared '
+           'between clients (shard mode) and 12 must be a multiple of 10',
+           partition='classes', classes_per_client=3, num_clients=4, clients_per_round=4)
+  experiment.validate_config(_cfg(partition='classes', classes_per_client=3, num_clients=10))
+
+
+def test_encoder_vs_input_shape():
+  info = experiment.DatasetInfo('tiny', 500, 100, (8, 8, 1), 10)
+  with pytest.raises(ConfigError) as e:
+    experiment.check_data_config(_cfg(encoder='hetero_cnn', knn_k=10), info)
+  message = str(e.value)
+  assert re.match(r"^config\.encoder = 'hetero_cnn' is invalid for the 8x8x1 images of tiny \("
+                  r"max_pool window 2 larger than the input 0x0\); encoders that take them: \[",
+                  message), message
+  fits = eval(message.split('encoders that take them: ')[1])  # pylint: disable=eval-used
+  assert 'small_cnn' in fits and 'hetero_cnn' not in fits and 'resnet9' not in fits
+  with pytest.raises(ConfigError, match=r"^config.encoder = 'resnet9' is invalid for the 8x8x1"):
+    experiment.check_data_config(_cfg(encoder='resnet9', knn_k=10), info)
+  experiment.check_data_config(_cfg(encoder='small_cnn', knn_k=10), info)
+  for encoder in ('resnet18', 'lenet5', 'hetero_cnn'):  # every catalog image size fits them
+    experiment.validate_config(_cfg(encoder=encoder, dataset='fashion_mnist_subset'))
+
+
+def test_data_source_vs_dataset():
+  _invalid("config.data_source = 'tfds' is invalid for config.dataset = 'fashion_mnist_subset': "
+           "must be 'auto' (the dataset has a single source)",
+           dataset='fashion_mnist_subset', data_source='tfds')
+  _invalid("config.data_source = 'idx' is invalid for config.dataset = 'cifar10': IDX files exist "
+           "for ('mnist', 'fashion_mnist') only; use 'auto' or 'tfds'",
+           dataset='cifar10', data_source='idx')
+  _invalid("config.data_source = 'hf' is invalid: must be one of ['auto', 'tfds', 'idx']",
+           data_source='hf')
+
+
+def test_data_dir_vs_data_source(tmp_path):
+  _invalid("config.data_dir = '' is invalid for config.data_source = 'idx' and config.dataset = "
+           "'mnist': must name the directory of the IDX files", dataset='mnist', data_source='idx')
+  _invalid(f"config.data_dir = '{tmp_path}' is invalid for config.data_source = 'idx': {tmp_path} "
+           "does not hold the IDX files ['train-images-idx3-ubyte', 'train-labels-idx1-ubyte', "
+           "'t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'] (each optionally .gz)",
+           dataset='mnist', data_source='idx', data_dir=str(tmp_path))
+  _invalid(f"config.data_dir = '{tmp_path / 'x.npz'}' is invalid for config.dataset = "
+           "'fashion_mnist_subset': must be the path of the subset's .npz file ('' = the shipped "
+           "tests/data/fashion_mnist_subset.npz)",
+           dataset='fashion_mnist_subset', data_dir=str(tmp_path / 'x.npz'))
+
+
+def test_strategy_participant_error_is_a_config_error():
+  if jax.device_count() == 1:
+    pytest.skip('needs several devices (tests/conftest.py)')
+  n = jax.device_count()
+  _invalid(f'config.clients_per_round = {n + 1} is invalid for strategy "shard": it must be a '
+           f'multiple of the device count {n}', strategy='shard', clients_per_round=n + 1)
+
+
+def test_seed_and_data_dir_types():
+  _invalid('config.seed = -1 is invalid: must be an integer in [0, 2147483647]', seed=-1)
+  config = _cfg()
+  config.data_dir = None
+  _raises(lambda: experiment.validate_config(config),
+          "config.data_dir = None is invalid: must be a path string ('' = the source's default "
+          "location)")
+
+
+def test_batch_larger_than_average_client_warns(caplog):
+  with caplog.at_level(logging.WARNING):
+    experiment.validate_config(_cfg(train_size=500, knn_k=10, batch_size=128))
+  assert ('config.batch_size = 128 exceeds the average client size 50 (500 training examples '
+          '(config.train_size = 500) over 10 clients)') in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    experiment.validate_config(_cfg(batch_size=128))
+  assert 'batch_size' not in caplog.text
+
+
+def _write_idx(path, array, gz):
+  header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, '>u4').tobytes()
+  data = header + array.astype(np.uint8).tobytes()
+  path.write_bytes(gzip.compress(data) if gz else data)
+
+
+def test_dataset_info_reads_only_file_headers(tmp_path):
+  assert experiment.dataset_info(_cfg(dataset='fashion_mnist_subset')) == experiment.DatasetInfo(
+      'fashion_mnist_subset', 3000, 1000, (28, 28, 1), 10)
+  assert experiment.dataset_info(_cfg(dataset='cifar100', data_source='tfds')) == \
+      experiment.CATALOG_INFO['cifar100']
+  # IDX files in data_dir (one gzipped, one not): their headers give the sizes.
+  for key, n, gz in (('train_x', 7, True), ('test_x', 3, False)):
+    _write_idx(tmp_path / (sources.IDX_FILES[key] + ('.gz' if gz else '')),
+               np.zeros((n, 28, 28)), gz)
+  for key, n in (('train_y', 7), ('test_y', 3)):
+    _write_idx(tmp_path / sources.IDX_FILES[key], np.zeros((n,)), False)
+  config = _cfg(dataset='mnist', data_dir=str(tmp_path))
+  assert experiment.dataset_info(config) == experiment.DatasetInfo('mnist', 7, 3, (28, 28, 1), 10)
+  _raises(lambda: experiment.validate_config(config),
+          "config.num_clients = 10 is invalid: 7 training examples (all of the mnist training "
+          "split) cannot give every client at least 2 examples (config.partition = 'dirichlet'); "
+          "must be <= 3")
+  # A file that is not an npz: unknown before loading (load_data reports it).
+  (tmp_path / 'bad.npz').write_text('not a zip')
+  assert experiment.dataset_info(_cfg(dataset='fashion_mnist_subset',
+                                      data_dir=str(tmp_path / 'bad.npz'))) is None
+
+
+def test_validate_config_loads_no_data_and_compiles_nothing(monkeypatch, caplog):
+  def fail(*args, **kwargs):
+    raise AssertionError('validate_config loaded data')
+  for name in ('load_dataset', 'load_subset', 'make_synthetic', 'load_idx', 'load_tfds',
+               'read_idx'):
+    monkeypatch.setattr(sources, name, fail)
+  monkeypatch.setattr(experiment, 'load_data', fail)
+  monkeypatch.setattr(experiment, 'build_algorithm', fail)
+  jax.config.update('jax_log_compiles', True)
+  try:
+    with caplog.at_level(logging.DEBUG):
+      for dataset in ('synthetic', 'fashion_mnist_subset', 'cifar10', 'fashion_mnist'):
+        experiment.validate_config(_cfg(dataset=dataset, encoder='resnet18'))
+        with pytest.raises(ConfigError, match='config.knn_k = 200'):
+          experiment.validate_config(_cfg(dataset=dataset, train_size=64))
+  finally:
+    jax.config.update('jax_log_compiles', False)
+  assert 'Compiling' not in caplog.text and 'Finished XLA compilation' not in caplog.text

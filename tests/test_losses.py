@@ -65,7 +65,7 @@ def np_spectral(z0, z1, alpha=1.0, r_global=None, mu=None):
 
 
 def np_spectral_pairwise(z0, z1):
-  """fedsc.md §2.1/2.2 with the batch as the population, in loops: -2 mean_b z0_b·z1_b + mean_{x,x⁻}(zᵀz⁻)²
+  """FedSC §3 / Eq. (1) with the batch as the population, in loops: -2 mean_b z0_b·z1_b + mean_{x,x⁻}(zᵀz⁻)²
   over all (2B)² ordered pairs of views (x and x⁻ independent draws, same-image pairs included)."""
   b = len(z0)
   views = list(z0) + list(z1)
@@ -188,7 +188,7 @@ def test_spectral_r_global_is_stop_gradient():
 
 
 def test_spectral_equals_pairwise_form():
-  """fedsc.md §2.2 identity on the batch estimator: -2 Tr R̂⁺ + ||R̂||_F² == pairwise (zᵀz⁻)² form."""
+  """FedSC Eq. (1) identity on the batch estimator: -2 Tr R̂⁺ + ||R̂||_F² == pairwise (zᵀz⁻)² form."""
   rng = np.random.default_rng(6)
   z0, z1 = randn(rng, 7, 4), randn(rng, 7, 4)
   got = float(losses.spectral_contrastive_loss(jnp.asarray(z0, jnp.float32), jnp.asarray(z1, jnp.float32)))
@@ -202,7 +202,7 @@ def test_spectral_equals_pairwise_form():
 
 
 def test_spectral_gradient_alignment_eq6():
-  """fedsc.md Eq. (6) in the code scale: with alpha_j = q_j and r_global = R_{-j}, q_j x the local gradient
+  """FedSC paper Eq. (6) in the code scale: with alpha_j = q_j and r_global = R_{-j}, q_j x the local gradient
   equals the gradient of the SC loss of the union of the clients' batches (with respect to client j's z)."""
   rng = np.random.default_rng(7)
   sizes = [3, 5, 4]

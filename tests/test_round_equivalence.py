@@ -1,7 +1,16 @@
 """Every algorithm's stacked round step, under every execution strategy, equals the slow per-client
 Python loop of tests/reference.py on tiny inputs — partial participation and unequal client sizes
 (one client smaller than a batch) included — and both benchmark baselines (a jitted call per client,
-a jitted call per local step) give the same numbers."""
+a jitted call per local step) give the same numbers.
+
+The comparisons run in float64 (x64 enabled, float64 client and server state), so that they decide
+on the algorithm and not on rounding. In float32 the verdict depended on the CPU's instruction set:
+the momentum of a bias that feeds a BatchNorm has an exactly-zero gradient, so what a float32
+comparison sees there is GEMM rounding noise, which XLA vectorises differently for SSE4.2, AVX2 and
+AVX-512. In float64 the engine and the loop agree to ~1e-10 relative on every leaf, while a wrong
+batch, key, mask, weight or client moves leaves by >= 1e-3 relative
+(`test_comparison_detects_a_wrong_batch_key_mask_weight_or_client`).
+"""
 import functools
 
 import jax
@@ -35,14 +44,14 @@ def _data(num_clients=NUM_CLIENTS, sizes=SIZES):
   return FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32))
 
 
-def _spec(method, reset_optimizer=True):
+def _spec(method, reset_optimizer=True, tx='sgd'):
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   if method == 'supervised':
     model = models.Classifier(enc, 3)
   else:
     pred = models.MLPHead(8, 5) if method in ('byol', 'simsiam') else None
     model = models.SSLModel(enc, models.MLPHead(8, 5), pred)
-  tx = optim.make_optimizer('sgd', momentum=0.9, weight_decay=1e-3)
+  tx = optim.make_optimizer(tx, momentum=0.9, weight_decay=1e-3)
   return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
                                input_shape=(8, 8, 1), temperature=0.5, ema_tau=0.9,
                                reset_optimizer=reset_optimizer)
@@ -57,10 +66,12 @@ ALGOS = {
     # A tiny threshold / scaler so both branches of the divergence rules are exercised.
     'fedu': lambda: fedu.make(_spec('byol'), dapu_threshold=0.05),
     'fedema': lambda: fedema.make(_spec('byol'), autoscaler_tau=0.5),
-    # Momentum kept across rounds (reset_optimizer=False). Adam is left out on purpose: its first
-    # steps are sign(g), so a float32-noise-level gradient flips sign between batched and unbatched
-    # GEMMs and the comparison would test rounding, not the engine.
+    # Momentum kept across rounds (reset_optimizer=False).
     'independent': lambda: independent.make(_spec('simclr', reset_optimizer=False)),
+    # Persistent Adam (representation sharing's client optimiser). Comparable only in float64: its
+    # first steps are g / (|g| + eps), so a gradient that is zero in exact arithmetic gives a step
+    # of ~lr * noise / eps — O(lr) for float32 noise (~1e-8), ~1e-9 * lr for float64 noise.
+    'independent_adam': lambda: independent.make(_spec('simclr', reset_optimizer=False, tx='adam')),
 }
 
 
@@ -77,52 +88,73 @@ def _algo(name):
   return algo, jax.jit(algo.local_step)
 
 
-def _assert_tree_close(actual, expected, what):
-  """Leafwise |a - e| <= 1e-3 * scale(e) + 5e-5.
+# float64 rounding (eps 1.1e-16) amplified through a round of these chaotic 8-sample BatchNorm
+# networks ends at ~1e-10 relative (measured: at most 6e-11, on momentum leaves of BN-fed biases);
+# any algorithmic difference is >= 1e-3 relative. The bound sits in between, 1e4 from each.
+RTOL, ATOL = 1e-6, 1e-10
 
-  float32 rounding differs between batched and unbatched GEMMs (~1e-5 relative after a round); an
-  algorithmic difference (a wrong batch, key, mask, weight or client) is O(scale).
-  """
+
+def _float64(tree):
+  """Floating leaves cast to float64 (call under `jax.enable_x64(True)`)."""
+  return jax.tree_util.tree_map(
+      lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _assert_tree_close(actual, expected, what):
+  """Leafwise |a - e| <= RTOL * max|e| + ATOL, both trees float64."""
   flat_a = jax.tree_util.tree_leaves_with_path(actual)
   flat_e = jax.tree_util.tree_leaves(expected)
   assert len(flat_a) == len(flat_e), what
   for (path, a), e in zip(flat_a, flat_e):
+    assert np.asarray(a).dtype != np.float32 and np.asarray(e).dtype != np.float32, (
+        f'{what}: {jax.tree_util.keystr(path)} is float32; the comparison must run in float64')
     a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
     assert a.shape == e.shape, f'{what}: {jax.tree_util.keystr(path)} shape'
     scale = float(np.max(np.abs(e), initial=0.0))
     err = float(np.max(np.abs(a - e), initial=0.0))
-    assert err <= 1e-3 * scale + 5e-5, (
+    assert err <= RTOL * scale + ATOL, (
         f'{what}: {jax.tree_util.keystr(path)} err {err:.3g} scale {scale:.3g}')
 
 
+def _make_step(algo, cfg, baseline=None):
+  if baseline == 'sequential':
+    return rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS)
+  if baseline == 'stepwise':
+    return rd.make_stepwise_round_step(algo, cfg, NUM_CLIENTS)
+  return rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False)
+
+
+def _reference(name, state, data, key, r, cfg, perturb=None):
+  algo, local_step = _algo(name)
+  return reference.reference_round(
+      algo, local_step, state.clients, state.server, data, key, r,
+      clients_per_round=cfg.clients_per_round, batch_size=BATCH, local_epochs=EPOCHS,
+      lr_fn=cfg.lr_fn, aggregates=not name.startswith('independent'), perturb=perturb)
+
+
 def _check_rounds(name, strategy, m, baseline=None, rounds=2):
-  """Runs `rounds` engine rounds; before each, the reference loop starts from the same state.
+  """Runs `rounds` engine rounds in float64; before each, the reference loop starts from the same
+  state.
 
   Comparing round by round (not whole trajectories) matters: these tiny BatchNorm networks on
-  8-sample batches are chaotic, and a 1e-7 difference in one round's server average grows to O(0.1)
-  a round later, although each round agrees to float32 rounding.
+  8-sample batches are chaotic, and a rounding-level difference in one round's server average grows
+  by orders of magnitude a round later, although each round agrees to rounding.
   """
-  algo, local_step = _algo(name)
-  data = _data()
-  cfg = _round_cfg(strategy, m)
-  if baseline == 'sequential':
-    step = rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS)
-  elif baseline == 'stepwise':
-    step = rd.make_stepwise_round_step(algo, cfg, NUM_CLIENTS)
-  else:
-    step = rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False)
-  state = rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS)
-  for r in range(rounds):
-    key = rng.round_key(jax.random.PRNGKey(7), r)
-    ref_clients, ref_server, ref_loss = reference.reference_round(
-        algo, local_step, state.clients, state.server, data, key, r, clients_per_round=m,
-        batch_size=BATCH, local_epochs=EPOCHS, lr_fn=cfg.lr_fn,
-        aggregates=name != 'independent')
-    state, metrics = step(state, data, key)
-    assert int(state.round) == r + 1
-    _assert_tree_close(state.clients, ref_clients, f'{name}/{strategy} round {r} clients')
-    _assert_tree_close(state.server, ref_server, f'{name}/{strategy} round {r} server')
-    np.testing.assert_allclose(float(metrics['loss']), ref_loss, rtol=1e-4)
+  with jax.enable_x64(True):
+    algo, _ = _algo(name)
+    data = _data()
+    cfg = _round_cfg(strategy, m)
+    step = _make_step(algo, cfg, baseline)
+    state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
+    for r in range(rounds):
+      key = rng.round_key(jax.random.PRNGKey(7), r)
+      ref_clients, ref_server, ref_loss = _reference(name, state, data, key, r, cfg)
+      state, metrics = step(state, data, key)
+      assert int(state.round) == r + 1
+      _assert_tree_close(state.clients, ref_clients, f'{name}/{strategy} round {r} clients')
+      _assert_tree_close(state.server, ref_server, f'{name}/{strategy} round {r} server')
+      # The engine reports the loss in float32 (a metric): one float32 rounding of a float64 mean.
+      np.testing.assert_allclose(float(metrics['loss']), ref_loss, rtol=1e-6)
   return state
 
 
@@ -136,6 +168,26 @@ def test_vmap_round_step_matches_reference_loop(name):
 @pytest.mark.parametrize('name', sorted(ALGOS))
 def test_other_strategies_match_reference_loop(name, strategy):
   _check_rounds(name, strategy, 4)
+
+
+def test_comparison_detects_a_wrong_batch_key_mask_weight_or_client():
+  """The float64 bound is tight enough to fail on each kind of bug the engine could have."""
+  with jax.enable_x64(True):
+    algo, _ = _algo('fedbyol')
+    data = _data()
+    cfg = _round_cfg('vmap', 4)
+    state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
+    key = rng.round_key(jax.random.PRNGKey(7), 0)
+    new, _ = _make_step(algo, cfg)(state, data, key)
+    for perturb in (None,) + reference.PERTURBATIONS:
+      ref_clients, ref_server, _ = _reference('fedbyol', state, data, key, 0, cfg, perturb)
+      try:
+        _assert_tree_close(new.clients, ref_clients, 'clients')
+        _assert_tree_close(new.server, ref_server, 'server')
+        detected = False
+      except AssertionError:
+        detected = True
+      assert detected == (perturb is not None), perturb
 
 
 def test_full_participation_and_sequential_baselines():

@@ -1,19 +1,26 @@
 """The training binary end to end on the shipped Fashion-MNIST subset: a run killed with SIGKILL
 and resumed from its workdir ends in exactly the state (and log) of an uninterrupted run, and
-experiments.reprobe reproduces its probe accuracies; config errors are reported before any compute."""
+experiments.reprobe reproduces its probe accuracies; the console shows only the lines meant for a
+person (library logs go to WORKDIR/train.log); config errors are one `error: ...` line, exit status
+1, before any data is loaded."""
 import json
+import logging
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import time
 
+from absl import logging as absl_logging
 import jax
 import numpy as np
 import pytest
 
-from fedjax_ssl import checkpoint
+from fedjax_ssl import checkpoint, experiment
+from fedjax_ssl.config_validation import ConfigError
+from fedjax_ssl.data import sources
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ROUNDS = 6
@@ -96,14 +103,143 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
 
 
 @pytest.mark.parametrize('override, message', [
-    ('--config.alpha=-1', 'config.alpha = -1'),
-    ('--config.algorithm=fedprox', "config.algorithm = 'fedprox'"),
-    ('--config.clients_per_round=11', 'config.clients_per_round = 11'),
-    ('--config.strategy=pmap', "config.strategy = 'pmap'"),
+    ('--config.alpha=-1', 'error: config.alpha = -1.0 is invalid: must be a finite number > 0.0'),
+    ('--config.algorithm=fedprox', "error: config.algorithm = 'fedprox' is invalid"),
+    ('--config.clients_per_round=11', 'error: config.clients_per_round = 11 is invalid'),
+    ('--config.strategy=pmap', "error: config.strategy = 'pmap' is invalid"),
+    # ml_collections raises a bare AttributeError inside absl's flag parsing for these two.
+    ('--config.bogus_key=3', "error: unknown config key 'config.bogus_key' in "
+                             "--config.bogus_key=3; known keys at config: ['algorithm', 'alpha',"),
+    ('--config.knn_kk=3', "error: unknown config key 'config.knn_kk' in --config.knn_kk=3 (did you "
+                          "mean 'config.knn_k'?); known keys at config: ['algorithm',"),
+    # Used to pass validation and fail at the random-init evaluation, after loading and compiling.
+    ('--config.train_size=64', 'error: config.knn_k = 200 is invalid: must be <= 64, the number of '
+                               'training examples in the kNN memory bank (config.train_size = 64)'),
+    ('--config.rounds=abc', "error: flag --config.rounds=abc: invalid literal for int() with base "
+                            "10: 'abc'"),
 ])
-def test_bad_config_fails_before_compute(tmp_path, override, message):
+def test_bad_config_is_one_error_line_before_compute(tmp_path, override, message):
   out = subprocess.run(_cmd(tmp_path / 'w')[:5] + [override],
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-  assert out.returncode != 0
-  assert message in out.stderr, out.stderr[-2000:]
-  assert not (tmp_path / 'w' / 'checkpoints').exists()
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert 'Traceback' not in out.stderr, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(message), out.stderr[-2000:]
+  assert out.stdout == ''
+  # train_and_evaluate creates the workdir right after validation, before loading any data.
+  assert not (tmp_path / 'w').exists()
+
+
+def _tiny_config(**overrides):
+  from configs import quickstart  # pylint: disable=g-import-not-at-top
+  config = quickstart.get_config()
+  config.update(dict(dataset='fashion_mnist_subset', train_size=200, num_clients=2,
+                     clients_per_round=2, partition='iid', batch_size=20, local_epochs=1, rounds=1,
+                     checkpoint_every=1, probe_epochs=1, eval_every=0, knn_k=10))
+  config.update(overrides)
+  return config
+
+
+def test_config_error_in_process_loads_no_data(tmp_path, monkeypatch):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  def fail(*args, **kwargs):
+    raise AssertionError('data loaded before the config was validated')
+  monkeypatch.setattr(experiment, 'load_data', fail)
+  monkeypatch.setattr(sources, 'load_dataset', fail)
+  with pytest.raises(ConfigError, match=re.escape('config.knn_k = 200 is invalid: must be <= 64')):
+    train.train_and_evaluate(_tiny_config(train_size=64, knn_k=200), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+_ORBAX_INFO = ('checkpoint_manager.py', 'Saving checkpoint at step')
+
+
+@pytest.mark.slow
+def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path):
+  workdir = tmp_path / 'run'
+  cmd = [sys.executable, '-m', 'experiments.train', '--config=configs/quickstart.py',
+         f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in dict(
+             dataset='fashion_mnist_subset', train_size=200, num_clients=2, clients_per_round=2,
+             partition='iid', batch_size=20, local_epochs=1, rounds=2, checkpoint_every=1,
+             probe_epochs=1, eval_every=1, knn_k=10).items()]
+  out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
+                       check=True)
+  # stdout: the lines meant for a person, and only those.
+  lines = out.stdout.splitlines()
+  assert lines[0] == ('fashion_mnist_subset: 200 train / 1000 test images; 2 clients, iid '
+                      'partition, 2 per round')
+  assert lines[1].split() == ['client', 'n'] + [str(c) for c in range(10)]
+  assert re.fullmatch(r' total  200( +\d+){10}', lines[6]), lines[6]
+  assert lines[7].startswith('fedavg / byol, small_cnn encoder, 2 rounds; jax on cpu')
+  assert re.fullmatch(r'round 0/2  random-init encoder: knn_acc 0\.\d{4}  probe_acc 0\.\d{4}  '
+                      r'\(\d+\.\ds\)', lines[8]), lines[8]
+  assert re.fullmatch(r'round 1/2  loss \d+\.\d{4}  knn_acc 0\.\d{4}  \(\d+s elapsed\)',
+                      lines[9]), lines[9]
+  assert re.fullmatch(r'round 2/2  loss \d+\.\d{4}  knn_acc 0\.\d{4}  probe_acc 0\.\d{4}  '
+                      r'\(\d+s elapsed\)', lines[10]), lines[10]
+  assert lines[11].startswith('linear probe accuracy: trained encoder')
+  assert lines[12].startswith('kNN accuracy:          trained encoder')
+  assert lines[13].startswith('results: ') and len(lines) == 14
+  # stderr: no library INFO (orbax's checkpoint chatter, absl/jax INFO lines); the bar is off
+  # because stderr is not a terminal.
+  for marker in _ORBAX_INFO:
+    assert marker not in out.stderr, out.stderr[-3000:]
+  assert not re.search(r'^I\d{4} ', out.stderr, re.M), out.stderr[-3000:]
+  log = (workdir / 'train.log').read_text()
+  for marker in _ORBAX_INFO + ('linear probe accuracy', "Unable to initialize backend 'tpu'"):
+    assert marker in log, marker
+
+
+@pytest.fixture
+def absl_app_logging():
+  """The root logger as absl's app.run leaves it: absl's handler (to stderr) at INFO verbosity."""
+  root = logging.getLogger()
+  saved_handlers, saved_level = list(root.handlers), root.level
+  root.addHandler(absl_logging.get_absl_handler())
+  root.setLevel(logging.INFO)
+  yield
+  root.handlers[:] = saved_handlers
+  root.setLevel(saved_level)
+
+
+@pytest.mark.slow
+def test_runs_in_one_process_print_only_their_bar_and_keep_their_own_logs(tmp_path, capfd,
+                                                                          absl_app_logging):
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  root = logging.getLogger()
+  handlers = list(root.handlers)
+  for run in ('a', 'b'):
+    results = train.train_and_evaluate(_tiny_config(seed=len(run)), str(tmp_path / run),
+                                       verbose=False, bar_position=1)
+    assert 0.0 <= results['final']['probe_acc'] <= 1.0
+    assert root.handlers == handlers
+  out, err = capfd.readouterr()
+  assert out == ''  # verbose=False: no line per run (the bar is off: not a terminal)
+  for marker in _ORBAX_INFO:
+    assert marker not in err, err[-3000:]
+  for run, other in (('a', 'b'), ('b', 'a')):
+    log = (tmp_path / run / 'train.log').read_text()
+    assert f'workdir {tmp_path / run};' in log and str(tmp_path / other) not in log
+    assert all(marker in log for marker in _ORBAX_INFO)
+
+
+def test_evaluate_reports_the_standardised_probe_when_asked():
+  """probe_std_epochs > 0 adds 'probe_std_acc': the linear probe on z-scored features."""
+  from fedjax_ssl import eval as fs_eval  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.core import round as rd  # pylint: disable=g-import-not-at-top
+  config = _tiny_config(probe_std_epochs=3, probe_epochs=2)
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  state = rd.init_state(algo, jax.random.PRNGKey(0), config.num_clients)
+  got = experiment.evaluate(config, algo, state, dataset, knn=False)
+  variables, per_client = algo.eval_variables(state)
+  feats = [experiment.encoder_features(algo, variables, per_client, x, dataset)
+           for x in (dataset.train_x, dataset.test_x)]
+  for key, epochs, standardize in (('probe_acc', 2, False), ('probe_std_acc', 3, True)):
+    ref = fs_eval.linear_probe(feats[0], dataset.train_y, feats[1], dataset.test_y,
+                               dataset.num_classes, epochs=epochs,
+                               batch_size=config.probe_batch_size, lr=config.probe_lr,
+                               seed=config.seed, standardize=standardize)
+    assert got[key] == ref['test_acc'], key
+  assert experiment.evaluate(_tiny_config(), algo, state, dataset, knn=False).keys() == {'probe_acc'}

@@ -45,13 +45,16 @@ def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
 
   Args:
     stacked: pytree with leaves [m, ...].
-    weights: float32 [m], summing to 1.
+    weights: float [m], summing to 1 (float32; float64 under x64).
   Returns:
-    pytree with leaves [...]; integer leaves keep their dtype (rounded average).
+    pytree with leaves [...]; integer leaves keep their dtype (rounded average). Floating leaves are
+    accumulated in the wider of their dtype and the weights' (a float64 state stays float64).
   """
   def avg(leaf):
     w = weights.reshape((-1,) + (1,) * (leaf.ndim - 1))
-    out = jnp.sum(w * leaf.astype(jnp.float32), axis=0)
+    acc = (jnp.promote_types(leaf.dtype, weights.dtype)
+           if jnp.issubdtype(leaf.dtype, jnp.floating) else weights.dtype)
+    out = jnp.sum(w.astype(acc) * leaf.astype(acc), axis=0)
     return out.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.round(out).astype(leaf.dtype)
   return jax.tree_util.tree_map(avg, stacked)
 

@@ -14,12 +14,13 @@ def conv_divergence(before, after) -> jax.Array:
   Args:
     before, after: encoder parameter pytrees of the same structure.
   Returns:
-    float32 scalar.
+    float scalar in the parameters' precision (float32; float64 for a float64 state).
   """
   pairs = [(a, b) for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after))
            if a.ndim == 4]
   if not pairs:
     raise ValueError('conv_divergence needs an encoder with convolution kernels (4-D parameters); '
                      'this encoder has none')
-  dists = [jnp.sqrt(jnp.sum(jnp.square((b - a).astype(jnp.float32)))) for a, b in pairs]
+  dists = [jnp.sqrt(jnp.sum(jnp.square((b - a).astype(jnp.promote_types(a.dtype, jnp.float32)))))
+           for a, b in pairs]
   return jnp.mean(jnp.stack(dists))

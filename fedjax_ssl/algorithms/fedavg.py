@@ -1,7 +1,7 @@
 """FedAvg over an SSL (or supervised) client: FedBYOL, FedSimSiam, FedSimCLR, supervised FedAvg, and
 centralized training (one client holding all data).
 
-Per round (EasyFL `fedssl`, specs/hetero_ssfl.md §3.9): every participant adopts the global online
+Per round (EasyFL `fedssl`; BUILD_NOTES.md "Algorithms"): every participant adopts the global online
 network (encoder + projector + predictor, with their BatchNorm statistics), trains E local epochs,
 uploads its online network, and the server replaces the global network by the data-size-weighted mean
 (BatchNorm running statistics included, as EasyFL / FedSC average the whole state dict).

@@ -1,4 +1,4 @@
-"""FedEMA (Zhuang et al., ICLR 2022) as in EasyFL (specs/hetero_ssfl.md §3.9).
+"""FedEMA (Zhuang et al., ICLR 2022, arXiv:2204.04385) as in EasyFL (BUILD_NOTES.md "Algorithms").
 
 At every participation after the first, with d the divergence of the client's previous local training
 and lambda_k its auto-scaler:

@@ -1,4 +1,4 @@
-"""FedU (Zhuang et al., ICCV 2021) as in EasyFL (specs/hetero_ssfl.md §3.9).
+"""FedU (Zhuang et al., ICCV 2021, arXiv:2108.06492) as in EasyFL (BUILD_NOTES.md "Algorithms").
 
 Each participant adopts the global online encoder + projector. Its predictor follows the
 divergence-aware predictor update (DAPU): the global predictor if the divergence measured after its

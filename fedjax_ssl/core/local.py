@@ -71,11 +71,12 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
     batch = {'x': x[idx], 'y': y[idx]}
     # Masked no-op: a finished client keeps its state bit-for-bit. `lax.cond` skips the work when
     # clients run one at a time (strategy 'map' with chunk 1); under vmap it lowers to a select.
-    return jax.lax.cond(
-        s < num_steps,
-        lambda c: local_step(c, batch, rng.step_key(ckey, s), msg, lr),
-        lambda c: (c, jnp.zeros((), jnp.float32)),
-        carry)
+    # The loss is a metric and is kept in float32 whatever the state's dtype (float64 under x64),
+    # so both branches agree without tracing the step twice.
+    def real_step(c):
+      c, loss = local_step(c, batch, rng.step_key(ckey, s), msg, lr)
+      return c, loss.astype(jnp.float32)
+    return jax.lax.cond(s < num_steps, real_step, lambda c: (c, jnp.zeros((), jnp.float32)), carry)
 
   total = max_local_steps(n_max, batch_size, local_epochs)
   client, losses = jax.lax.scan(step, client, jnp.arange(total))

@@ -76,7 +76,9 @@ def client_round_fn(algo: Algorithm, cfg: RoundConfig) -> Callable:
 
 
 def _finish_round(algo: Algorithm, state: FedState, ids, n_sel, new_sel, payloads, losses, lr):
-  weights = n_sel.astype(jnp.float32) / jnp.sum(n_sel).astype(jnp.float32)
+  # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
+  fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+  weights = n_sel.astype(fdtype) / jnp.sum(n_sel).astype(fdtype)
   server = algo.aggregate(state.server, payloads, weights)
   clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
   metrics = {'loss': jnp.mean(losses), 'lr': lr}

@@ -4,15 +4,15 @@ Every function works on one image, float32 [H, W, C] in [0, 1] (C = 3 RGB or C =
 from an explicit key, and is jit- and vmap-friendly: crop boxes, flip decisions and jitter factors are traced values,
 while the `AugmentConfig` is a frozen, hashable dataclass passed as a static argument.
 
-Pipeline of `augment` (the order used by every spec, up to ops that commute exactly):
+Pipeline of `augment` (the order used by every reference code, up to ops that commute exactly):
   to_float -> RandomResizedCrop (bilinear) -> RandomHorizontalFlip -> RandomApply(ColorJitter, p)
   -> RandomGrayscale -> clip to [0, 1].
-The specs list flip before (EasyFL), between (FedSC) or after (FedU2) the colour ops; flipping is a pixel permutation and
+The codes put flip before (EasyFL), between (FedSC) or after (FedU2) the colour ops; flipping is a pixel permutation and
 the colour ops act per pixel or through image-wide means, so the three orders give identical outputs.
 
 Deviations from torchvision (which runs these ops on PIL uint8 images in all three reference codes) are listed in
-/work/notes/augment_notes.md; in short: no uint8 re-quantisation between ops, luma weights 0.299/0.587/0.114 (PIL's)
-everywhere, and no antialiasing when the output is smaller than the crop (a no-op for every spec pipeline, whose crops are
+BUILD_NOTES.md 'Augmentation'; in short: no uint8 re-quantisation between ops, luma weights 0.299/0.587/0.114 (PIL's)
+everywhere, and no antialiasing when the output is smaller than the crop (a no-op for every preset, whose crops are
 never larger than the output).
 """
 from __future__ import annotations
@@ -115,20 +115,20 @@ class AugmentConfig:
 _SIMCLR_CROP = dict(crop=True, crop_ratio=(3 / 4, 4 / 3), flip_prob=0.5, jitter_prob=0.8, jitter_random_order=True,
                     grayscale_prob=0.2)
 
-# Named after the spec / code base each pipeline comes from; out_size 32 is the CIFAR setting of every spec (use
+# Named after the paper / code base each pipeline comes from; out_size 32 is the CIFAR setting of every paper (use
 # `preset(name, out_size)` for other image sizes, e.g. 64 for Tiny-ImageNet or 28 for (Fashion-)MNIST).
 PRESETS = {
-    # Hetero-SSFL §3.7 [REC]: EasyFL's BYOL/SimSiam SimCLRTransform. Default crop scale, strong jitter.
+    # Hetero-SSFL gives none, so EasyFL's BYOL/SimSiam SimCLRTransform. Default crop scale, strong jitter.
     'byol_easyfl': AugmentConfig(out_size=32, crop_scale=(0.08, 1.0), brightness=0.8, contrast=0.8, saturation=0.8,
                                  hue=0.2, **_SIMCLR_CROP),
-    # FedSC §5 "Augmentation" [C]; FedSC additionally normalises with the dataset mean/std (see `normalize`).
+    # FedSC official code (all datasets); FedSC additionally normalises with the dataset mean/std (see `normalize`).
     'fedsc': AugmentConfig(out_size=32, crop_scale=(0.2, 1.0), brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1,
                            **_SIMCLR_CROP),
-    # FedU2 §3.5 [C]: one shared pipeline for SimCLR, BYOL and SimSiam. It is NOT the usual SimCLR-CIFAR one: crop scale
+    # FedU2 code: one shared pipeline for SimCLR, BYOL and SimSiam. It is NOT the usual SimCLR-CIFAR one: crop scale
     # (0.2, 1) with the strong (0.8, 0.8, 0.8, 0.2) jitter. No normalisation.
     'fedu2': AugmentConfig(out_size=32, crop_scale=(0.2, 1.0), brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2,
                            **_SIMCLR_CROP),
-    # FedU2 §3.5 semi-supervised fine-tuning transform: RandomResizedCrop(32, scale (0.64, 1), ratio (1, 1)) + HFlip.
+    # FedU2 code, semi-supervised fine-tuning transform: RandomResizedCrop(32, scale (0.64, 1), ratio (1, 1)) + HFlip.
     'fedu2_finetune': AugmentConfig(out_size=32, crop=True, crop_scale=(0.64, 1.0), crop_ratio=(1.0, 1.0),
                                     flip_prob=0.5),
     # SimCLR's CIFAR pipeline (colour strength s = 0.5: jitter 0.8 s, 0.8 s, 0.8 s, 0.2 s).

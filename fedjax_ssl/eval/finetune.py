@@ -1,6 +1,7 @@
 """Semi-supervised evaluation: fine-tune an encoder plus a linear layer on a class-balanced labelled subset.
 
-Protocol (hetero_ssfl.md §3.8, v001 App. C; decision A25): a class-balanced random 1% or 10% of the training
+Protocol (Hetero-SSFL, App. C of its ICLR 2023 OpenReview version; the subset choice is ours, see BUILD_NOTES
+'Losses and evaluation'): a class-balanced random 1% or 10% of the training
 set, shared by all clients; each model's whole encoder and a new Dense(num_classes) head are trained jointly
 with SGD + Nesterov momentum 0.9, lr 0.05, batch 512 (10%) or 256 (1%), 100 epochs; the encoder runs in
 train mode (BatchNorm batch statistics, running averages updated), as in the FedU2 `semi_eval.py`. Test
@@ -195,7 +196,7 @@ def semi_supervised_finetune_stack(encoder: nn.Module, stacked_variables: Any, t
     Other arguments as in `semi_supervised_finetune`.
   Returns:
     dict: test_acc and final_train_loss as float numpy arrays [C], and mean_test_acc, the unweighted client
-    mean (hetero_ssfl.md §3.8). The fine-tuned models are not kept (one encoder per client in memory).
+    mean (as in Hetero-SSFL). The fine-tuned models are not kept (one encoder per client in memory).
   """
   num_clients = {leaf.shape[0] for leaf in jax.tree_util.tree_leaves(stacked_variables)}
   if len(num_clients) != 1:

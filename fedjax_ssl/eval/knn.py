@@ -1,4 +1,4 @@
-"""Weighted kNN monitor (InstDisc / SimSiam `knn_predict`; fedsc.md §7, fedu2.md §3.5).
+"""Weighted kNN monitor (InstDisc / SimSiam `knn_predict`; the kNN monitors of the FedSC and FedU2 official code).
 
 Features are L2-normalised; every test feature takes its k most cosine-similar training features, and each
 neighbour votes for its label with weight exp(sim / temperature). The prediction is the class with the

@@ -1,7 +1,7 @@
 """Linear probe on frozen features: Dense(num_classes) with bias, Adam, shuffled minibatches.
 
-The protocol of the specs (hetero_ssfl.md §3.8: Adam lr 3e-3, batch 512, 100 epochs; fedsc.md §7: the same
-with 200 epochs). The whole training run is one jitted program: `lax.scan` over epochs, each a `lax.scan`
+The papers' protocol (Hetero-SSFL, arXiv:2205.12493, §5.1: Adam lr 3e-3, batch 512, 100 epochs; the FedSC official
+code: the same with 200 epochs). The whole training run is one jitted program: `lax.scan` over epochs, each a `lax.scan`
 over minibatches of a fresh permutation. The last, partial minibatch is padded to the fixed batch shape and
 its padding is masked out of the loss, so every example is used once per epoch and the loss of that batch
 is the mean over its real examples (PyTorch `drop_last=False`).
@@ -149,7 +149,8 @@ def linear_probe(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_class
     standardize: z-score every feature with the training mean/std first (not part of the papers' protocol).
   Returns:
     dict of floats: train_acc and final_loss (cross-entropy) on the full training set and test_acc, all after
-    the final epoch; best_test_acc, the best test accuracy over epochs (fedsc.md A15 reports both).
+    the final epoch; best_test_acc, the best test accuracy over epochs (FedSC, ICML 2024, does not say which
+    epoch it reports, so both are kept).
   """
   _check_probe_args(train_f, train_y, test_f, test_y, num_classes, epochs, batch_size, lr, feat_ndim=2)
   params, batch_idx = _host_randomness(seed, *np.shape(train_f), num_classes, epochs, batch_size)
@@ -171,7 +172,7 @@ def linear_probe_stack(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num
     Other arguments as in `linear_probe`.
   Returns:
     dict: train_acc, test_acc, best_test_acc, final_loss as float numpy arrays [C], and mean_test_acc, the
-    unweighted mean of test_acc over clients (hetero_ssfl.md §3.8, personalised models).
+    unweighted mean of test_acc over clients (Hetero-SSFL's personalised models, arXiv:2205.12493).
   """
   _check_probe_args(train_f, train_y, test_f, test_y, num_classes, epochs, batch_size, lr, feat_ndim=3)
   params, batch_idx = _host_randomness(seed, *np.shape(train_f)[1:], num_classes, epochs, batch_size)

@@ -1,4 +1,4 @@
-"""Fixup-ResNet20 (Zhang et al. 2019), widen factor 8: FedSC's "modified ResNet20" (specs/fedsc.md §5).
+"""Fixup-ResNet20 (Zhang et al. 2019), widen factor 8: FedSC's "modified ResNet20" (Jing et al., ICML 2024).
 
 No BatchNorm. Scalar parameters (shape ()) replace it:
   stem:   relu(conv3x3(x) + bias1)                                     3 -> 16*widen channels

@@ -8,7 +8,7 @@ with plain slices and contracts them with the kernel in ONE matmul, which XLA:CP
 (batched) GEMM. Both implementations read the same 'kernel' [kh, kw, cin, cout] (HWIO, like
 flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable between them.
 
-Initialisation follows PyTorch's defaults, because every reference code the specs reproduce
+Initialisation follows PyTorch's defaults, because every reference code reproduced here
 (repshare, FedSC, EasyFL, FedU2) is PyTorch with default-initialised Conv2d/Linear layers:
 weights ~ U(+-1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5)) and biases ~ U(+-1/sqrt(fan_in)).
 """

@@ -1,5 +1,5 @@
 """Feature extractors phi of "Scalable Collaborative Learning via Representation Sharing"
-(specs/repshare.md §2.2), layer for layer as in the author code.
+(Berdoz et al., arXiv:2211.10943), layer for layer as in the author code.
 
 Each returns d' features in [-1, 1] (feature layer Linear -> Tanh). The classifier tau =
 Linear(d' -> C) is `heads.Classifier`'s 'head'. PyTorch parameter counts (BN weight and bias

@@ -4,12 +4,13 @@ All losses are pure `jax.numpy` functions of row-major batches (rows are samples
 is a mean over the batch. Inputs in a lower precision than float32 (bf16/f16 model outputs) are promoted to
 float32 before any reduction; float64 inputs stay float64.
 
-Conventions follow the authors' code where the specs say so:
-  * BYOL: EasyFL `loss_one + loss_two`, each `2 - 2 cos` averaged over the batch (hetero_ssfl.md §0, fedu2.md §2.1).
-  * SimSiam: `½ D(p1, sg z2) + ½ D(p2, sg z1)`, `D = -cos` (hetero_ssfl.md §0).
-  * SimCLR: NT-Xent over 2B samples; `zero_diagonal=True` reproduces the FedU2 code's quirk (fedu2.md §2.1, A18).
-  * Spectral contrastive: FedSC "loss as implemented" (fedsc.md §2.6), i.e. 2 x the paper's batch loss, with
-    NormClip (fedsc.md §2.7) applied inside the loss.
+Conventions follow the authors' code where the papers leave them open (BUILD_NOTES 'Losses and evaluation'):
+  * BYOL: EasyFL `loss_one + loss_two`, each `2 - 2 cos` averaged over the batch (EasyFL = the FedU/FedEMA code; the
+    FedU2 code uses the same loss).
+  * SimSiam: `½ D(p1, sg z2) + ½ D(p2, sg z1)`, `D = -cos` (EasyFL).
+  * SimCLR: NT-Xent over 2B samples; `zero_diagonal=True` reproduces the FedU2 code's quirk (off by default).
+  * Spectral contrastive: FedSC "loss as implemented" (FedSC official code, `Client_SPECshare.loss`), i.e. 2 x the
+    batch loss of the paper's §5.2 (FedSC, ICML 2024), with NormClip (paper Alg. 2) applied inside the loss.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float, zero_diagonal: boo
   Anchor i's positive is the other view of the same image (i <-> i + B); every other sample is a negative.
   The self-similarity is excluded from the softmax (logit -inf) by default. With `zero_diagonal=True`
   the self-similarity logit is multiplied by 0 instead, as in the FedU2 code, so exp(0) = 1 stays in the
-  denominator (fedu2.md §2.1 "Quirk").
+  denominator (FedU2 official code, github.com/XeniaLLL/FedU2).
 
   Args:
     z1, z2: float [B, d], projector outputs of views 1 and 2 (B >= 1).
@@ -122,7 +123,7 @@ def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float, zero_diagonal: boo
 def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
   """FedSC NormClip: z_b * min(1, sqrt_mu / ||z_b||) per row; the gradient flows through the rescaling.
 
-  Matches the code's `z if ||z|| < sqrt_mu else sqrt_mu * z / ||z||` (fedsc.md §2.7). Afterwards
+  Matches the code's `z if ||z|| < sqrt_mu else sqrt_mu * z / ||z||` (FedSC official code; paper Alg. 2). Afterwards
   ||z_b z_bᵀ||_F = ||z_b||² <= mu.
 
   Args:
@@ -138,7 +139,7 @@ def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
 
 
 def correlation_matrices(z0: jax.Array, z1: jax.Array) -> Tuple[jax.Array, jax.Array]:
-  """Mini-batch correlation estimators of fedsc.md §2.6 with two views (V = 1), rows are samples.
+  """Mini-batch correlation estimators of FedSC (ICML 2024, §5.2) with two views (V = 1), rows are samples.
 
   Args:
     z0, z1: float [B, H], representations of the two views of the same B images.
@@ -160,7 +161,7 @@ def spectral_contrastive_loss(z0: jax.Array,
                               alpha: float = 1.0,
                               r_global: Optional[jax.Array] = None,
                               mu: Optional[float] = None) -> jax.Array:
-  """FedSC spectral contrastive batch loss exactly as implemented (fedsc.md §2.6, `Client_SPECshare.loss`).
+  """FedSC spectral contrastive batch loss exactly as implemented (FedSC official code, `Client_SPECshare.loss`).
 
       (optional) z_v <- NormClip(z_v, sqrt(mu))
       posloss  = -(2/B) Σ_b z1_b · z0_b                         (= -2 Tr R̂⁺)
@@ -169,7 +170,7 @@ def spectral_contrastive_loss(z0: jax.Array,
       loss     = posloss + negaloss                             (= 2 x the paper's L̂_j with q_j -> alpha)
 
   Without `r_global` (FedAvg+SC, or FedSC before the first share) `alpha` is not used, as in the code,
-  where the shared-matrix term only exists once a matrix was received (fedsc.md A11).
+  where the shared-matrix term only exists once a matrix was received (BUILD_NOTES 'Losses and evaluation').
 
   Args:
     z0, z1: float [B, H], projector outputs of the two views.

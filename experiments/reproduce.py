@@ -1,0 +1,121 @@
+r"""Reproduce a results table: every cell x seed through the training binary's code path.
+
+  python -m experiments.reproduce --table configs/tables/fedssl_fmnist.py --out DIR \
+      [--seeds 0,1,2] [--scale quick|paper] [--only CELL_PATTERN ...]
+
+Each distinct (config, seed) is one run of `experiments.train.train_and_evaluate` in
+DIR/runs/<cell>/seed<k> (its checkpoints, metrics, plot and results.json). Rerunning the same command
+finishes only what is missing: runs with a results.json are read, not re-run; a killed run resumes
+from its last checkpoint. A failing run writes error.json (its traceback) and the grid goes on; a
+rerun tries it again. A workdir whose config.json differs from the cell's current config (the table
+file changed) is reported, never overwritten. Compiled programs are cached in DIR/jax_cache (JAX's persistent compilation
+cache), so seeds after the first skip most compilation. After every run DIR/table.csv, DIR/table.md and DIR/table.png are rewritten
+(mean ± std over seeds next to the paper's number). `--only` takes cell names or fnmatch patterns
+('fedbyol.*'); `--list` prints the cells and exits.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import sys
+import traceback
+
+from absl import app, flags
+import jax
+import tqdm
+
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import logging_utils
+from fedjax_ssl import reproduce
+
+_TABLE = flags.DEFINE_string('table', None, 'Table file (configs/tables/<name>.py).')
+_OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
+_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Comma-separated integer seeds.')
+_SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES),
+                           'quick: this table on a 2-core CPU with local data; paper: the paper.')
+_ONLY = flags.DEFINE_multi_string('only', [], 'Cell names or fnmatch patterns to run (repeatable).')
+_LIST = flags.DEFINE_bool('list', False, 'Print the cells and their run directories, then exit.')
+flags.mark_flags_as_required(['table', 'out'])
+
+
+def parse_seeds(values) -> list:
+  try:
+    seeds = [int(v) for v in values]
+  except ValueError:
+    raise cv.ConfigError(f'--seeds = {",".join(values)!r} is invalid: must be comma-separated '
+                         'integers') from None
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise cv.ConfigError(f'--seeds = {seeds} is invalid: must be distinct non-negative integers')
+  return seeds
+
+
+def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
+  workdir.mkdir(parents=True, exist_ok=True)
+  text = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
+  tmp = workdir / 'error.json.tmp'
+  tmp.write_text(json.dumps({'error': text, 'traceback': traceback.format_exc()}, indent=2))
+  tmp.replace(workdir / 'error.json')
+
+
+def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
+              command: str = '') -> list:
+  """Runs what is missing of the table and writes its outputs; returns the summary rows."""
+  # Imported here, after flag parsing: the training binary's module defines its own required flags.
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  # Library INFO chatter of the planning phase (the jax backend's start, validation) goes to a file;
+  # each run routes its own logs to its workdir's train.log.
+  with logging_utils.RunLog() as log:
+    log.open(str(out / 'reproduce.log'))
+    table = reproduce.load_table(table_path, scale)
+    runs = reproduce.plan_runs(table, seeds, only)
+  if not jax.config.jax_compilation_cache_dir:
+    # The seeds of a cell compile the same programs: a persistent cache under OUT compiles each once.
+    jax.config.update('jax_compilation_cache_dir', str(out / 'jax_cache'))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+  todo = [r for r in runs if reproduce.run_status(r, out)[0] in ('missing', 'failed')
+          and r.config is not None]
+  grid = tqdm.tqdm(total=len(runs), initial=len(runs) - len(todo), desc=table.name, position=0,
+                   dynamic_ncols=True)
+  for run in todo:
+    grid.set_postfix_str(run.name)
+    workdir = run.workdir(out)
+    (workdir / 'error.json').unlink(missing_ok=True)
+    try:
+      train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1)
+    except Exception as e:  # pylint: disable=broad-except
+      # Recorded in the table and retried on the next invocation; the other runs go on.
+      _write_error(workdir, e)
+      tqdm.tqdm.write(f'run {run.name} failed: {type(e).__name__}: {e}')
+    grid.update(1)
+    reproduce.write_outputs(table, reproduce.summarize(table, runs, out), out, seeds, command)
+  grid.close()
+  summary = reproduce.summarize(table, runs, out)
+  reproduce.write_outputs(table, summary, out, seeds, command)
+  return summary
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  seeds = parse_seeds(_SEEDS.value)
+  if _LIST.value:
+    with logging_utils.RunLog():  # library INFO lines are dropped: this only prints the plan
+      table = reproduce.load_table(_TABLE.value, _SCALE.value)
+      runs = reproduce.plan_runs(table, seeds, _ONLY.value)
+    for run in runs:
+      cells = ', '.join(reproduce.cell_id(*c) for c in run.cells)
+      print(f'{run.name:40s} cells: {cells}' + (f'  INVALID: {run.config_error}'
+                                                if run.config_error else ''))
+    return
+  command = 'python -m experiments.reproduce ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
+  summary = run_table(_TABLE.value, _OUT.value, seeds, _SCALE.value, _ONLY.value, command)
+  failed = sorted({e['cell'] for e in summary if e['errors']})
+  print(f'table: {pathlib.Path(_OUT.value) / "table.md"}' +
+        (f'   failed cells: {failed}' if failed else ''))
+
+
+if __name__ == '__main__':
+  cv.run(main)

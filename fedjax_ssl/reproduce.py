@@ -1,0 +1,415 @@
+"""Result tables: a grid of runs (rows x columns -> config overrides) over seeds, summarised next to
+the paper's numbers.
+
+A table file (configs/tables/<name>.py) defines `get_table(scale) -> Table`. `experiments.reproduce`
+turns it into runs, one workdir per distinct config and seed, and this module turns the runs'
+`results.json` into `table.csv`, `table.md` and `table.png`:
+
+  table = reproduce.load_table('configs/tables/fedssl_fmnist.py', 'quick')
+  runs = reproduce.plan_runs(table, seeds=(0, 1, 2))      # every config validated, nothing computed
+  ... run each RunSpec through experiments.train.train_and_evaluate(run.config, run.workdir(out))
+  summary = reproduce.summarize(table, runs, out)
+  reproduce.write_outputs(table, summary, out, seeds)
+
+Cells whose final configs are identical share one run (e.g. centralized training, which ignores the
+partition column), so a table never trains the same thing twice.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import fnmatch
+import importlib.util
+import json
+import math
+import pathlib
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ml_collections
+import numpy as np
+
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import experiment
+
+SCALES = ('quick', 'paper')
+
+# Metric key in a run's results.json 'final' dict -> how the table names it. Accuracies are stored
+# as fractions and shown (and given by the papers) in percent.
+METRICS = {
+    'probe_acc': 'linear probe (%)',
+    'knn_acc': 'kNN (%)',
+    'probe_std_acc': 'linear probe on standardised features (%)',
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """A reproduction target.
+
+  Attributes:
+    name: file-system friendly name ('fedssl_fmnist').
+    title: one line shown above the table.
+    base: the config every cell starts from (scale already applied).
+    rows: row label -> config overrides (e.g. the method).
+    columns: column label -> config overrides (e.g. the partition). Row overrides are applied after
+      column overrides, so a row may pin a key a column sets (centralized: one client).
+    metrics: keys of METRICS reported for every cell.
+    paper: (row, column, metric) -> the paper's number in percent; missing = not reported.
+    scale: 'quick' | 'paper', the variant this Table was built for.
+    notes: free text printed under the table (protocol, what differs from the paper).
+  """
+  name: str
+  title: str
+  base: ml_collections.ConfigDict
+  rows: Mapping[str, Mapping[str, Any]]
+  columns: Mapping[str, Mapping[str, Any]]
+  metrics: Tuple[str, ...]
+  paper: Mapping[Tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
+  scale: str = 'quick'
+  notes: str = ''
+
+  def cells(self) -> List[Tuple[str, str]]:
+    """(row, column) pairs in display order."""
+    return [(r, c) for r in self.rows for c in self.columns]
+
+
+def slug(text: str) -> str:
+  """Lower-case file-system name: runs of other characters than [a-z0-9] become '-'."""
+  return re.sub(r'[^a-z0-9]+', '-', text.lower()).strip('-')
+
+
+def cell_id(row: str, column: str) -> str:
+  """Cell name used by --only and in workdir paths: '<row slug>.<column slug>'."""
+  return f'{slug(row)}.{slug(column)}'
+
+
+def check_table(table: Table) -> None:
+  """Raises cv.ConfigError naming what is wrong with a table definition."""
+  if table.scale not in SCALES:
+    raise cv.ConfigError(f'scale = {table.scale!r} is invalid: must be one of {SCALES}')
+  if not table.rows or not table.columns:
+    raise cv.ConfigError(f'table {table.name!r} needs at least one row and one column')
+  for metric in table.metrics:
+    if metric not in METRICS:
+      raise cv.ConfigError(f'table {table.name!r}: metric {metric!r} is unknown; allowed: '
+                           f'{tuple(METRICS)}')
+  ids = [cell_id(r, c) for r, c in table.cells()]
+  dup = sorted({i for i in ids if ids.count(i) > 1})
+  if dup:
+    raise cv.ConfigError(f'table {table.name!r}: cell names {dup} collide after slugging; '
+                         'rename rows or columns')
+  for (r, c, m), value in table.paper.items():
+    if r not in table.rows or c not in table.columns or m not in table.metrics:
+      raise cv.ConfigError(f'table {table.name!r}: paper entry {(r, c, m)!r} names no cell/metric '
+                           'of the table')
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise cv.ConfigError(f'table {table.name!r}: paper entry {(r, c, m)!r} = {value!r} is not a '
+                           'finite number')
+
+
+def load_table(path: str, scale: str) -> Table:
+  """Imports a table file and calls its `get_table(scale)`; the Table is checked."""
+  if scale not in SCALES:
+    raise cv.ConfigError(f'--scale = {scale!r} is invalid: must be one of {SCALES}')
+  file = pathlib.Path(path)
+  if not file.is_file():
+    raise cv.ConfigError(f'--table = {path!r}: no such file')
+  spec = importlib.util.spec_from_file_location(f'_table_{slug(file.stem)}', file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_table'):
+    raise cv.ConfigError(f'--table = {path!r} defines no get_table(scale)')
+  table = module.get_table(scale)
+  check_table(table)
+  return table
+
+
+def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:
+  """base <- column overrides <- row overrides <- seed. Unknown keys raise cv.ConfigError."""
+  config = ml_collections.ConfigDict(table.base.to_dict())
+  for what, overrides in (('column', table.columns[column]), ('row', table.rows[row])):
+    for key, value in overrides.items():
+      where = f'table {table.name!r}, {what} {row if what == "row" else column!r}'
+      if key not in config:
+        raise cv.ConfigError(f'{where}: config key {key!r} does not exist')
+      try:
+        config[key] = value
+      except (TypeError, ValueError) as e:
+        raise cv.ConfigError(f'{where}: {key} = {value!r} is invalid: {e}') from None
+  config.seed = seed
+  return config
+
+
+# Keys a config ignores given its other values: left out of the key that decides whether two cells
+# share a run (centralized training under the IID and the Dirichlet column is the same run).
+_UNUSED_WHEN = {
+    'alpha': lambda c: c.partition != 'dirichlet',
+    'classes_per_client': lambda c: c.partition != 'classes',
+}
+
+
+def run_key(config: ml_collections.ConfigDict) -> str:
+  """Canonical JSON of the keys the run depends on."""
+  d = config.to_dict()
+  for key, unused in _UNUSED_WHEN.items():
+    if key in d and unused(config):
+      del d[key]
+  return json.dumps(d, sort_keys=True, default=str)
+
+
+def _saved_config_matches(run: 'RunSpec', workdir: pathlib.Path) -> bool:
+  """Whether the workdir's config.json (written by the training binary) is the run's config."""
+  saved = workdir / 'config.json'
+  if not saved.exists():
+    return False
+  return run_key(ml_collections.ConfigDict(json.loads(saved.read_text()))) == run_key(run.config)
+
+
+@dataclasses.dataclass
+class RunSpec:
+  """One training run: a distinct config at one seed, shared by the cells listed."""
+  name: str                         # '<first cell id>/seed<k>', also its path under OUT/runs
+  cells: List[Tuple[str, str]]
+  seed: int
+  config: Optional[ml_collections.ConfigDict]
+  config_error: Optional[str] = None
+
+  def workdir(self, out: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(out) / 'runs' / self.name
+
+
+def select_cells(table: Table, only: Sequence[str]) -> List[Tuple[str, str]]:
+  """Cells whose id matches one of the `only` patterns (fnmatch; all cells when empty)."""
+  cells = table.cells()
+  if not only:
+    return cells
+  chosen = [rc for rc in cells if any(fnmatch.fnmatchcase(cell_id(*rc), p) for p in only)]
+  unmatched = [p for p in only if not any(fnmatch.fnmatchcase(cell_id(*rc), p) for rc in cells)]
+  if unmatched:
+    raise cv.ConfigError(f'--only {unmatched} matches no cell; cells: '
+                         f'{[cell_id(*rc) for rc in cells]}')
+  return chosen
+
+
+def plan_runs(table: Table, seeds: Sequence[int], only: Sequence[str] = ()) -> List[RunSpec]:
+  """The runs the selected cells need, each config validated (no data loaded, nothing compiled).
+
+  A cell whose config is invalid becomes a RunSpec with `config_error` set: it is reported in the
+  table and the other cells still run.
+  """
+  runs: Dict[Tuple[str, int], RunSpec] = {}
+  for row, column in select_cells(table, only):
+    for seed in seeds:
+      try:
+        config = cell_config(table, row, column, seed)
+        experiment.validate_config(config)
+        key = (run_key(config), seed)
+        error = None
+      except cv.ConfigError as e:
+        config, error = None, str(e)
+        key = (f'invalid:{cell_id(row, column)}', seed)
+      if key in runs:
+        runs[key].cells.append((row, column))
+      else:
+        runs[key] = RunSpec(name=f'{cell_id(row, column)}/seed{seed}', cells=[(row, column)],
+                            seed=seed, config=config, config_error=error)
+  return list(runs.values())
+
+
+def run_status(run: RunSpec, out: pathlib.Path) -> Tuple[str, Any]:
+  """('done', results) | ('failed', error text) | ('stale', error text) | ('missing', None), read
+  from the run's workdir. 'stale': the workdir holds a run of another config (the table file changed
+  since it ran); it is neither counted nor overwritten."""
+  if run.config_error is not None:
+    return 'failed', run.config_error
+  wd = run.workdir(out)
+  results = wd / 'results.json'
+  if (wd / 'config.json').exists() and not _saved_config_matches(run, wd):
+    return 'stale', (f'{wd} holds a run of a different config (the table changed since it ran); '
+                     'delete that directory to run the current config')
+  if results.exists():
+    return 'done', json.loads(results.read_text())
+  error = wd / 'error.json'
+  if error.exists():
+    return 'failed', json.loads(error.read_text())['error']
+  return 'missing', None
+
+
+def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[Dict[str, Any]]:
+  """One row per (cell, metric): seed values, mean and sample std (ddof=1) in percent, the paper's
+  number and the difference, the random-init encoder's mean, and the errors of failed seeds."""
+  per_cell: Dict[Tuple[str, str], List[Tuple[RunSpec, str, Any]]] = {}
+  for run in runs:
+    status = run_status(run, out)
+    for cell in run.cells:
+      per_cell.setdefault(cell, []).append((run, *status))
+  rows = []
+  for row, column in table.cells():
+    if (row, column) not in per_cell:
+      continue
+    entries = per_cell[(row, column)]
+    for metric in table.metrics:
+      values, inits, errors, seeds = [], [], [], []
+      for run, status, payload in entries:
+        if status == 'done':
+          if metric not in payload['final']:
+            errors.append(f'seed {run.seed}: results have no {metric!r}')
+            continue
+          values.append(100.0 * payload['final'][metric])
+          inits.append(100.0 * payload['random_init'].get(metric, float('nan')))
+          seeds.append(run.seed)
+        elif status in ('failed', 'stale'):
+          errors.append(f'seed {run.seed}: {payload}')
+      paper = table.paper.get((row, column, metric))
+      mean = float(np.mean(values)) if values else float('nan')
+      std = float(np.std(values, ddof=1)) if len(values) > 1 else float('nan')
+      rows.append({
+          'row': row, 'column': column, 'cell': cell_id(row, column), 'metric': metric,
+          'n': len(values), 'mean': mean, 'std': std, 'paper': paper,
+          'diff': mean - paper if paper is not None and values else None,
+          'values': values, 'seeds': seeds,
+          'random_init_mean': float(np.mean(inits)) if inits else float('nan'),
+          'pending': sum(status == 'missing' for _, status, _ in entries),
+          'errors': errors})
+  return rows
+
+
+def _fmt(x: Optional[float], digits: int = 2) -> str:
+  return '–' if x is None or not math.isfinite(x) else f'{x:.{digits}f}'
+
+
+def _md_cell(entry: Dict[str, Any]) -> str:
+  if entry['n'] == 0:
+    return 'failed' if entry['errors'] else 'pending'
+  text = _fmt(entry['mean'])
+  if entry['n'] > 1:
+    text += f' ± {_fmt(entry["std"])}'
+  if entry['paper'] is not None:
+    text += f' (paper {_fmt(entry["paper"])}, {entry["diff"]:+.2f})'
+  if entry['errors'] or entry['pending']:
+    text += f' [{entry["n"]} seeds]'
+  return text
+
+
+def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
+  fields = ['row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
+            'random_init_mean', 'seeds', 'values', 'pending', 'errors']
+  tmp = path.with_suffix('.csv.tmp')
+  with open(tmp, 'w', newline='') as f:
+    w = csv.DictWriter(f, fieldnames=fields)
+    w.writeheader()
+    for e in summary:
+      w.writerow({**{k: e[k] for k in fields if k not in ('seeds', 'values', 'errors')},
+                  'seeds': ' '.join(str(s) for s in e['seeds']),
+                  'values': ' '.join(f'{v:.4f}' for v in e['values']),
+                  'errors': ' | '.join(e['errors'])})
+  tmp.replace(path)
+
+
+def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[int],
+             command: str = '') -> str:
+  """table.md: one rows x columns grid per metric, 'mean ± std (paper P, diff)'."""
+  by_key = {(e['row'], e['column'], e['metric']): e for e in summary}
+  lines = [f'# {table.title}', '',
+           f'Scale `{table.scale}`, seeds {list(seeds)}; mean ± sample std over seeds, in percent; '
+           '"paper" is the number the paper reports for that cell and the signed difference '
+           'follows it.']
+  if command:
+    lines += ['', f'Command: `{command}`']
+  rows = [r for r in table.rows if any((r, c, m) in by_key for c in table.columns
+                                       for m in table.metrics)]
+  for metric in table.metrics:
+    lines += ['', f'## {METRICS[metric]}', '',
+              '| | ' + ' | '.join(table.columns) + ' |',
+              '|---|' + '---|' * len(table.columns)]
+    for r in rows:
+      cells = [_md_cell(by_key[(r, c, metric)]) if (r, c, metric) in by_key else '–'
+               for c in table.columns]
+      lines.append(f'| {r} | ' + ' | '.join(cells) + ' |')
+    inits = []
+    for c in table.columns:
+      done = [by_key[(r, c, metric)]['random_init_mean'] for r in rows
+              if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']]
+      inits.append(float(np.mean(done)) if done else float('nan'))
+    lines.append('| *random-init encoder* | ' + ' | '.join(_fmt(v) for v in inits) + ' |')
+  failures = [(e['cell'], err) for e in summary for err in e['errors']]
+  if failures:
+    lines += ['', '## Failed runs', '']
+    seen = set()
+    for cell, err in failures:
+      if (cell, err) not in seen:
+        seen.add((cell, err))
+        lines.append(f'- `{cell}` {err.splitlines()[0] if err else ""}')
+  if table.notes:
+    lines += ['', table.notes.strip()]
+  return '\n'.join(lines) + '\n'
+
+
+def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
+  """table.png: per metric, rows on the x axis with one bar per column (mean over seeds), the seeds
+  as dots, ± std as an error bar, the random-init encoder as a dashed segment and the paper's number
+  as a red cross. Cells without a result are marked 'failed' or 'pending'."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.patches  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
+
+  metrics, columns = list(table.metrics), list(table.columns)
+  rows = [r for r in table.rows if any(e['row'] == r for e in summary)]
+  width = 0.8 / len(columns)
+  fig, axes = plt.subplots(len(metrics), 1, squeeze=False,
+                           figsize=(max(6.0, 1.1 * len(rows) * len(columns) ** 0.5 + 2),
+                                    3.8 * len(metrics) + 0.8))
+  for ax, metric in zip(axes[:, 0], metrics):
+    by_cell = {(e['row'], e['column']): e for e in summary if e['metric'] == metric}
+    shown, missing = [], []
+    for j, column in enumerate(columns):
+      for i, row in enumerate(rows):
+        e = by_cell.get((row, column))
+        if e is None:
+          continue
+        x = i - 0.4 + width * (j + 0.5)
+        if not e['n']:
+          missing.append((x, 'failed' if e['errors'] else 'pending'))
+          continue
+        ax.bar(x, e['mean'], width * 0.9, yerr=e['std'] if e['n'] > 1 else 0.0, capsize=2,
+               color=f'C{j % 10}', alpha=0.8)
+        ax.plot([x] * e['n'], e['values'], 'k.', markersize=3)
+        shown += e['values']
+        if math.isfinite(e['random_init_mean']):
+          ax.plot([x - width / 2, x + width / 2], [e['random_init_mean']] * 2, 'k--', linewidth=1)
+          shown.append(e['random_init_mean'])
+        if e['paper'] is not None:
+          ax.plot(x, e['paper'], 'rx', markersize=8, markeredgewidth=2)
+          shown.append(e['paper'])
+    lo, hi = (min(shown), max(shown)) if shown else (0.0, 100.0)
+    pad = 0.15 * (hi - lo) + 1.0
+    ax.set_ylim(max(0.0, lo - pad), min(100.0, hi + pad))
+    for x, text in missing:
+      ax.text(x, ax.get_ylim()[0], text, rotation=90, ha='center', va='bottom', fontsize=7)
+    ax.set_xticks(np.arange(len(rows)))
+    ax.set_xticklabels(rows, rotation=25, ha='right', fontsize=8)
+    ax.set_ylabel(METRICS[metric])
+    ax.grid(axis='y', alpha=0.3)
+    ax.legend(handles=[matplotlib.patches.Patch(color=f'C{j % 10}', alpha=0.8, label=c)
+                       for j, c in enumerate(columns)], fontsize=8, loc='best')
+  fig.suptitle(f'{table.title} — scale {table.scale}\nbars: mean over seeds (dots) ± std; '
+               'dashed: random-init encoder; red x: paper', fontsize=9)
+  fig.tight_layout()
+  tmp = path.with_name(path.stem + '.tmp.png')
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  tmp.replace(path)
+
+
+def write_outputs(table: Table, summary: Sequence[Dict[str, Any]], out: pathlib.Path,
+                  seeds: Sequence[int], command: str = '') -> None:
+  """table.csv, table.md and table.png in `out` (each written atomically)."""
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  write_csv(summary, out / 'table.csv')
+  md = out / 'table.md.tmp'
+  md.write_text(markdown(table, summary, seeds, command))
+  md.replace(out / 'table.md')
+  plot(table, summary, out / 'table.png')

@@ -1,0 +1,173 @@
+"""experiments.reproduce on a two-cell, one-seed, one-round table (plus a cell that fails): the three
+outputs are written, a failing cell is recorded while the others finish, a rerun after deleting one
+cell's result reruns only that cell, and the summary statistics are right."""
+import csv
+import json
+import pathlib
+import textwrap
+
+import numpy as np
+import pytest
+
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import reproduce
+
+TABLE = textwrap.dedent('''
+    from fedjax_ssl import experiment, reproduce
+
+    def get_table(scale):
+      c = experiment.default_config()
+      c.dataset = 'fashion_mnist_subset'
+      c.train_size = 300
+      c.num_clients = 3
+      c.clients_per_round = 3
+      c.partition = 'iid'
+      c.heads = 'custom'
+      c.proj_hidden, c.proj_out, c.pred_hidden, c.pred_out = 16, 8, 16, 8
+      c.batch_size = 25
+      c.local_epochs = 1
+      c.rounds = 1
+      c.probe_epochs = 2
+      c.knn_k = 10
+      c.checkpoint_every = 1
+      rows = {'FedSimCLR': dict(ssl_method='simclr'),
+              # Its runs raise (see `failing` below): recorded, the other cells go on.
+              'Broken': dict(ssl_method='byol')}
+      columns = {'IID': {}, 'Dir(1)': dict(partition='dirichlet', alpha=1.0)}
+      return reproduce.Table(name='tiny', title='tiny table', base=c, rows=rows, columns=columns,
+                             metrics=('probe_acc', 'knn_acc'), scale=scale,
+                             paper={('FedSimCLR', 'IID', 'knn_acc'): 50.0})
+''')
+
+
+def _read_csv(path):
+  with open(path) as f:
+    return {(r['cell'], r['metric']): r for r in csv.DictReader(f)}
+
+
+@pytest.mark.slow
+def test_reproduce_writes_outputs_records_failures_and_reruns_only_missing(tmp_path, monkeypatch):
+  from experiments import reproduce as binary
+  from experiments import train
+
+  table_file = tmp_path / 'tiny.py'
+  table_file.write_text(TABLE)
+  out = tmp_path / 'out'
+  calls = []
+  real = train.train_and_evaluate
+
+  def failing(config, workdir, **kw):
+    name = pathlib.Path(workdir).relative_to(out / 'runs').as_posix()
+    calls.append(name)
+    if name.startswith('broken.'):
+      raise RuntimeError('simulated failure in the middle of a run')
+    return real(config, workdir, **kw)
+  monkeypatch.setattr(train, 'train_and_evaluate', failing)
+
+  binary.run_table(str(table_file), str(out), seeds=[0])
+  assert sorted(calls) == ['broken.dir-1/seed0', 'broken.iid/seed0', 'fedsimclr.dir-1/seed0',
+                           'fedsimclr.iid/seed0']
+  for name in ('table.csv', 'table.md', 'table.png'):
+    assert (out / name).stat().st_size > 0, name
+  rows = _read_csv(out / 'table.csv')
+  assert len(rows) == 8
+  for cell in ('fedsimclr.iid', 'fedsimclr.dir-1'):
+    for metric in ('probe_acc', 'knn_acc'):
+      row = rows[(cell, metric)]
+      result = json.loads((out / 'runs' / cell / 'seed0' / 'results.json').read_text())
+      assert int(row['n']) == 1 and row['errors'] == ''
+      np.testing.assert_allclose(float(row['mean']), 100 * result['final'][metric], rtol=1e-12)
+  knn = rows[('fedsimclr.iid', 'knn_acc')]
+  np.testing.assert_allclose(float(knn['diff']), float(knn['mean']) - 50.0, rtol=1e-12)
+  broken = rows[('broken.iid', 'probe_acc')]
+  assert int(broken['n']) == 0 and 'simulated failure' in broken['errors']
+  assert (out / 'runs' / 'broken.iid' / 'seed0' / 'error.json').exists()
+  md = (out / 'table.md').read_text()
+  assert '| Broken | failed | failed |' in md and '(paper 50.00,' in md
+
+  # A rerun after deleting one cell's result reruns that cell only (failed cells are retried too,
+  # here left out by --only).
+  kept = out / 'runs' / 'fedsimclr.iid' / 'seed0' / 'results.json'
+  kept_mtime = kept.stat().st_mtime_ns
+  (out / 'runs' / 'fedsimclr.dir-1' / 'seed0' / 'results.json').unlink()
+  calls.clear()
+  binary.run_table(str(table_file), str(out), seeds=[0], only=['fedsimclr.*'])
+  assert calls == ['fedsimclr.dir-1/seed0']
+  assert kept.stat().st_mtime_ns == kept_mtime
+  assert int(_read_csv(out / 'table.csv')[('fedsimclr.dir-1', 'knn_acc')]['n']) == 1
+
+  # The table file changes under a finished cell: its result is reported stale, not reused or
+  # overwritten.
+  table_file.write_text(TABLE.replace('c.probe_epochs = 2', 'c.probe_epochs = 3'))
+  calls.clear()
+  binary.run_table(str(table_file), str(out), seeds=[0], only=['fedsimclr.iid'])
+  assert calls == [] and kept.stat().st_mtime_ns == kept_mtime
+  stale = _read_csv(out / 'table.csv')[('fedsimclr.iid', 'probe_acc')]
+  assert int(stale['n']) == 0 and 'different config' in stale['errors']
+
+
+def _table(**kw):
+  from fedjax_ssl import experiment
+  args = dict(name='t', title='t', base=experiment.default_config(),
+              rows={'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')},
+              columns={'IID': dict(partition='iid'), 'Dir': dict(partition='dirichlet', alpha=0.1)},
+              metrics=('probe_acc',))
+  args.update(kw)
+  return reproduce.Table(**args)
+
+
+def test_plan_shares_runs_between_identical_configs_and_validates_each_cell():
+  table = _table(rows={'A': dict(ssl_method='simclr'),
+                       'CL': dict(algorithm='centralized', num_clients=1, clients_per_round=1,
+                                  partition='iid'),
+                       'Bad': dict(algorithm='fedu', ssl_method='simclr')})
+  runs = reproduce.plan_runs(table, seeds=[0, 1])
+  by_name = {r.name: r for r in runs}
+  # Centralized ignores the partition column (alpha is unused under 'iid'): one run per seed.
+  assert by_name['cl.iid/seed0'].cells == [('CL', 'IID'), ('CL', 'Dir')]
+  assert 'cl.dir/seed0' not in by_name
+  assert by_name['a.dir/seed1'].config.alpha == 0.1 and by_name['a.dir/seed1'].config.seed == 1
+  assert "'fedu'" in by_name['bad.iid/seed0'].config_error and by_name['bad.iid/seed0'].config is None
+  assert len(runs) == 2 * (2 + 1 + 2)
+  assert [r.name for r in reproduce.plan_runs(table, [0], only=['a.*'])] == ['a.iid/seed0',
+                                                                              'a.dir/seed0']
+
+
+def test_bad_tables_raise_with_the_reason(tmp_path):
+  with pytest.raises(cv.ConfigError, match="metric 'top5'"):
+    reproduce.check_table(_table(metrics=('top5',)))
+  with pytest.raises(cv.ConfigError, match='collide'):
+    reproduce.check_table(_table(rows={'A b': {}, 'a-b': {}}))
+  with pytest.raises(cv.ConfigError, match='names no cell'):
+    reproduce.check_table(_table(paper={('A', 'Nope', 'probe_acc'): 1.0}))
+  # A cell with a bad override is recorded as failed (the other cells still run).
+  bad = reproduce.plan_runs(_table(rows={'A': dict(lr_max=1.0), 'B': dict(seed='x')}), [0])
+  assert [r.config for r in bad] == [None] * 4
+  assert "config key 'lr_max' does not exist" in bad[0].config_error
+  assert "seed = 'x' is invalid" in bad[2].config_error
+  with pytest.raises(cv.ConfigError, match=r"--only \['z\*'\] matches no cell"):
+    reproduce.plan_runs(_table(), [0], only=['z*'])
+  with pytest.raises(cv.ConfigError, match="--scale = 'huge'"):
+    reproduce.load_table(str(tmp_path / 'x.py'), 'huge')
+  with pytest.raises(cv.ConfigError, match='no such file'):
+    reproduce.load_table(str(tmp_path / 'x.py'), 'quick')
+
+
+def test_summary_mean_std_and_markdown(tmp_path):
+  table = _table(rows={'A': dict(ssl_method='simclr')}, columns={'IID': dict(partition='iid')},
+                 paper={('A', 'IID', 'probe_acc'): 70.0})
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  values = [0.61, 0.65, 0.72]
+  for run, v in zip(runs, values):
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps({'final': {'probe_acc': v},
+                                                 'random_init': {'probe_acc': 0.5}}))
+  (entry,) = reproduce.summarize(table, runs, tmp_path)
+  ref = 100 * np.asarray(values)
+  np.testing.assert_allclose(entry['mean'], ref.mean(), rtol=1e-12)
+  np.testing.assert_allclose(entry['std'], ref.std(ddof=1), rtol=1e-12)
+  np.testing.assert_allclose(entry['diff'], ref.mean() - 70.0, rtol=1e-12)
+  assert entry['n'] == 3 and entry['seeds'] == [0, 1, 2] and entry['random_init_mean'] == 50.0
+  md = reproduce.markdown(table, [entry], [0, 1, 2])
+  assert f'| A | {ref.mean():.2f} ± {ref.std(ddof=1):.2f} (paper 70.00, {ref.mean() - 70:+.2f}) |' in md
