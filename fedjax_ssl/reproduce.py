@@ -199,8 +199,11 @@ def plan_runs(table: Table, seeds: Sequence[int], only: Sequence[str] = ()) -> L
   table and the other cells still run.
   """
   runs: Dict[Tuple[str, int], RunSpec] = {}
-  for row, column in select_cells(table, only):
-    for seed in seeds:
+  # Seed-major order: the whole grid at the first seed comes first, so an interrupted table is a
+  # complete table with fewer seeds rather than half a table.
+  cells = select_cells(table, only)
+  for seed in seeds:
+    for row, column in cells:
       try:
         config = cell_config(table, row, column, seed)
         experiment.validate_config(config)
@@ -288,7 +291,7 @@ def _md_cell(entry: Dict[str, Any]) -> str:
   if entry['paper'] is not None:
     text += f' (paper {_fmt(entry["paper"])}, {entry["diff"]:+.2f})'
   if entry['errors'] or entry['pending']:
-    text += f' [{entry["n"]} seeds]'
+    text += f' [{entry["n"]} of {entry["n"] + entry["pending"] + len(entry["errors"])} seeds]'
   return text
 
 

@@ -28,7 +28,8 @@ OVERRIDES = [
     '--config.dataset=fashion_mnist_subset', '--config.train_size=400', '--config.num_clients=4',
     '--config.clients_per_round=3', '--config.partition=iid', '--config.batch_size=20',
     '--config.local_epochs=1', f'--config.rounds={ROUNDS}', '--config.checkpoint_every=2',
-    '--config.probe_epochs=2', '--config.eval_every=0', '--config.knn_k=20',
+    '--config.probe_epochs=2', '--config.probe_std_epochs=0', '--config.eval_every=0',
+    '--config.knn_k=20',
 ]
 
 
@@ -135,7 +136,8 @@ def _tiny_config(**overrides):
   config = quickstart.get_config()
   config.update(dict(dataset='fashion_mnist_subset', train_size=200, num_clients=2,
                      clients_per_round=2, partition='iid', batch_size=20, local_epochs=1, rounds=1,
-                     checkpoint_every=1, probe_epochs=1, eval_every=0, knn_k=10))
+                     checkpoint_every=1, probe_epochs=1, probe_std_epochs=0, eval_every=0,
+                     knn_k=10))
   config.update(overrides)
   return config
 
@@ -161,7 +163,7 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
          f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in dict(
              dataset='fashion_mnist_subset', train_size=200, num_clients=2, clients_per_round=2,
              partition='iid', batch_size=20, local_epochs=1, rounds=2, checkpoint_every=1,
-             probe_epochs=1, eval_every=1, knn_k=10).items()]
+             probe_epochs=1, probe_std_epochs=0, eval_every=1, knn_k=10).items()]
   out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
                        check=True)
   # stdout: the lines meant for a person, and only those.
@@ -170,7 +172,7 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
                       'partition, 2 per round')
   assert lines[1].split() == ['client', 'n'] + [str(c) for c in range(10)]
   assert re.fullmatch(r' total  200( +\d+){10}', lines[6]), lines[6]
-  assert lines[7].startswith('fedavg / byol, small_cnn encoder, 2 rounds; jax on cpu')
+  assert lines[7].startswith('fedavg / simclr, lenet5 encoder, 2 rounds; jax on cpu')
   assert re.fullmatch(r'round 0/2  random-init encoder: knn_acc 0\.\d{4}  probe_acc 0\.\d{4}  '
                       r'\(\d+\.\ds\)', lines[8]), lines[8]
   assert re.fullmatch(r'round 1/2  loss \d+\.\d{4}  knn_acc 0\.\d{4}  \(\d+s elapsed\)',
