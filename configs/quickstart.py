@@ -49,7 +49,7 @@ def get_config():
   c.lr = 0.1
   c.weight_decay = 0.0
   c.ema_tau = 0.96            # unused by SimCLR; kept for --config.ssl_method=byol
-  c.eval_every = 25           # kNN only at the end: evaluations cost as much as several rounds
+  c.eval_every = 5            # kNN every 5 rounds (the curve in metrics.png; ~10 s each)
   c.probe_epochs = 20
   c.probe_std_epochs = 100    # the second probe: standardised features, 100 epochs
   c.checkpoint_every = 5
