@@ -13,7 +13,6 @@ builders:
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import pathlib
 import zipfile
 from typing import Any, Dict, Optional, Tuple
@@ -234,18 +233,6 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
                          "('' = the shipped tests/data/fashion_mnist_subset.npz)")
 
 
-def _idx_shape(path: pathlib.Path) -> Tuple[int, ...]:
-  """The array shape in an IDX file's header (gzipped or not), reading only the header."""
-  with open(path, 'rb') as f:
-    gzipped = f.read(2) == b'\x1f\x8b'
-  with (gzip.open(path, 'rb') if gzipped else open(path, 'rb')) as f:
-    magic = f.read(4)
-    if len(magic) != 4 or magic[:2] != b'\0\0':
-      raise ValueError(f'{path}: not an IDX file')
-    dims = f.read(4 * magic[3])
-  return tuple(int(d) for d in np.frombuffer(dims, '>u4'))
-
-
 def _npz_shapes(path: pathlib.Path, keys) -> Dict[str, Tuple[int, ...]]:
   """The shapes of arrays `keys` of an .npz file, reading only their .npy headers."""
   shapes = {}
@@ -288,8 +275,8 @@ def dataset_info(config: ml_collections.ConfigDict) -> Optional[DatasetInfo]:
     if idx_dir is None:
       return CATALOG_INFO[name]
     find = sources._find_idx_file  # pylint: disable=protected-access
-    train = _idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['train_x']))
-    test = _idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['test_x']))
+    train = sources.read_idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['train_x']))
+    test = sources.read_idx_shape(find(pathlib.Path(idx_dir), sources.IDX_FILES['test_x']))
     return DatasetInfo(name, train[0], test[0], tuple(train[1:]) + (1,), 10)
   except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile):
     return None

@@ -255,3 +255,18 @@ def test_subset_env_override(tmp_path, monkeypatch):
 def test_load_dataset_validation(args, kw, match):
   with pytest.raises(ValueError, match=match):
     sources.load_dataset(*args, **kw)
+
+
+def test_read_idx_shape_reads_the_header_only(tmp_path):
+  arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+  raw = b'\0\0\x08\x03' + np.asarray(arr.shape, '>u4').tobytes() + arr.tobytes()
+  (tmp_path / 'a').write_bytes(raw)
+  (tmp_path / 'b.gz').write_bytes(gzip.compress(raw[:16]))   # header alone: no data needed
+  assert sources.read_idx_shape(tmp_path / 'a') == (2, 3, 4) == sources.read_idx(tmp_path / 'a').shape
+  assert sources.read_idx_shape(tmp_path / 'b.gz') == (2, 3, 4)
+  (tmp_path / 'c').write_bytes(b'\x01\0\x08\x01')
+  with pytest.raises(ValueError, match='not an IDX file'):
+    sources.read_idx_shape(tmp_path / 'c')
+  (tmp_path / 'd').write_bytes(b'\0\0\x08\x03\0\0')
+  with pytest.raises(ValueError, match='ends early'):
+    sources.read_idx_shape(tmp_path / 'd')

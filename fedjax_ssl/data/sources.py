@@ -110,6 +110,32 @@ def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Datase
 # ----------------------------------------------------------------------------------------------
 # IDX files
 # ----------------------------------------------------------------------------------------------
+def _check_idx_magic(path, head: bytes) -> Tuple[int, int]:
+  """(type byte, number of dimensions) from an IDX file's first 4 bytes; ValueError if malformed."""
+  if len(head) < 4 or head[0] != 0 or head[1] != 0:
+    raise ValueError(f'{path}: not an IDX file (magic number must start with two zero bytes, '
+                     f'got {head[:4].hex() or "an empty file"})')
+  type_code, ndim = head[2], head[3]
+  if type_code not in _IDX_DTYPES:
+    raise ValueError(f'{path}: unknown IDX type byte 0x{type_code:02x}; allowed: '
+                     f'{", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)}')
+  return type_code, ndim
+
+
+def read_idx_shape(path) -> Tuple[int, ...]:
+  """The stored shape of an IDX file (gzip-compressed or raw), reading only its header: lets config
+  validation know a dataset's sizes without loading it."""
+  path = pathlib.Path(path)
+  with open(path, 'rb') as f:
+    gzipped = f.read(2) == _GZIP_MAGIC
+  with (gzip.open(path, 'rb') if gzipped else open(path, 'rb')) as f:
+    _, ndim = _check_idx_magic(path, f.read(4))
+    dims = f.read(4 * ndim)
+  if len(dims) != 4 * ndim:
+    raise ValueError(f'{path}: IDX header announces {ndim} dimensions but the file ends early')
+  return tuple(int(d) for d in np.frombuffer(dims, '>u4'))
+
+
 def read_idx(path) -> np.ndarray:
   """Reads one IDX file (gzip-compressed or raw) into a numpy array of its stored shape.
 
@@ -124,13 +150,7 @@ def read_idx(path) -> np.ndarray:
   raw = path.read_bytes()
   if raw[:2] == _GZIP_MAGIC:
     raw = gzip.decompress(raw)
-  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-    raise ValueError(f'{path}: not an IDX file (magic number must start with two zero bytes, '
-                     f'got {raw[:4].hex() or "an empty file"})')
-  type_code, ndim = raw[2], raw[3]
-  if type_code not in _IDX_DTYPES:
-    raise ValueError(f'{path}: unknown IDX type byte 0x{type_code:02x}; allowed: '
-                     f'{", ".join(f"0x{c:02x}" for c in _IDX_DTYPES)}')
+  type_code, ndim = _check_idx_magic(path, raw[:4])
   header_len = 4 + 4 * ndim
   if len(raw) < header_len:
     raise ValueError(f'{path}: IDX header announces {ndim} dimensions but the file has only '
