@@ -27,15 +27,16 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import eval as fs_eval
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import fedavg, fedema, fedu, independent, ssl_client
+from fedjax_ssl.algorithms import fedavg, fedema, fedu, fedu2, independent, ssl_client
 from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.core import optim, strategies
 from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data import augment, partition, sources
 from fedjax_ssl.data.types import Dataset, FedData
+from fedjax_ssl.ops import min_norm, uot
 
-ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'independent', 'centralized')
+ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'independent', 'centralized')
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 
@@ -55,7 +56,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.classes_per_client = 2        # 'classes' partition
   c.public_size = 0               # public / RAD set carved out before partitioning
   # Method.
-  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | independent | centralized
+  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | independent | centralized
   c.ssl_method = 'byol'           # byol | simsiam | simclr | supervised
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
@@ -73,6 +74,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.dapu_threshold = 0.4          # FedU
   c.autoscaler_tau = 0.7          # FedEMA
   c.independent_init = True       # independent: per-client random init
+  c.fedu2 = fedu2_config()
   # Federation and optimisation.
   c.rounds = 100
   c.clients_per_round = 10
@@ -101,6 +103,51 @@ def default_config() -> ml_collections.ConfigDict:
   c.probe_std_epochs = 0
   c.checkpoint_every = 10
   return c
+
+
+def fedu2_config() -> ml_collections.ConfigDict:
+  """FedU2's keys (algorithm = 'fedu2'); defaults follow BUILD_NOTES "FedU2" decisions A1-A19."""
+  f = ml_collections.ConfigDict()
+  # FUR (flexible uniform regularizer) on the clients.
+  f.fur = 'uot'                   # uot (paper Eqs. 4-6) | swd (official code) | none (ablation)
+  f.lambda_u = 0.1                # paper 0.1; the code uses 0.01 with its SWD
+  f.tau_a = 0.8
+  f.tau_b = 0.8
+  f.uot_iters = 100
+  f.cost = 'l2'                   # l2 ||z-s|| | sq ||z-s||^2 | sq_max (squared / max)
+  f.mass = 1.0                    # per-sample marginal mass (1/B = probability marginals: FUR inactive)
+  f.normalize = True              # l2-normalise the projector output first (paper)
+  f.swd_projections = 6
+  # EUA (efficient unified aggregator) on the server.
+  f.eua = True                    # False: data-weighted averaging (ablation)
+  f.direction = 'code'            # code 2D/|D| | paper 2D/|D|^2
+  f.solver = 'exact'              # exact | admm | admm_literal (ops.min_norm)
+  f.solver_iters = 0              # 0 = the solver's default
+  f.eta_g = 1.0                   # ADMM: c = eta_g^2 / phi
+  f.phi = 0.1
+  f.rho = 1.0
+  f.scope = 'whole_model'         # whole_model (BYOL target too, code) | online
+  f.step = 'fixed'                # fixed: theta -= server_lr d | deviation: |step| = server_lr mean |D|
+  f.server_lr = 8.0
+  return f
+
+
+def _validate_fedu2(config: ml_collections.ConfigDict) -> None:
+  f = config.fedu2
+  if config.ssl_method not in fedu2.METHODS:
+    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
+                         f"'fedu2': must be one of {fedu2.METHODS}")
+  cv.check_choice('fedu2.fur', f.fur, uot.FUR_KINDS + ('none',))
+  cv.check_choice('fedu2.cost', f.cost, uot.COSTS)
+  cv.check_choice('fedu2.direction', f.direction, fedu2.EUA_DIRECTIONS)
+  cv.check_choice('fedu2.solver', f.solver, min_norm.METHODS)
+  cv.check_choice('fedu2.scope', f.scope, fedu2.EUA_SCOPES)
+  cv.check_choice('fedu2.step', f.step, fedu2.EUA_STEPS)
+  for key in ('lambda_u', 'tau_a', 'tau_b', 'mass', 'eta_g', 'phi', 'rho', 'server_lr'):
+    cv.check_float_range(f'fedu2.{key}', f[key], 0.0, None, inclusive=(key == 'lambda_u', True))
+  cv.check_int_range('fedu2.uot_iters', f.uot_iters, 1, 1_000_000)
+  cv.check_int_range('fedu2.swd_projections', f.swd_projections, 1, 1_000_000)
+  cv.check_int_range('fedu2.solver_iters', f.solver_iters, 0, 10_000_000)
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -166,6 +213,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.algorithm in ('fedu', 'fedema') and config.ssl_method not in fedu.METHODS:
     raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
                          f'{config.algorithm!r}: must be one of {fedu.METHODS} (needs a predictor)')
+  if config.algorithm == 'fedu2':
+    _validate_fedu2(config)
   if config.heads == 'custom':
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
@@ -393,6 +442,19 @@ def build_model(config: ml_collections.ConfigDict, num_classes: int):
   return models.SSLModel(encoder, projector, predictor)
 
 
+def fur_regularizer(f: ml_collections.ConfigDict):
+  """FedU2's per-view FUR term (z [B, d], key) -> lambda_u * L_u(z), or None ('none' or 0)."""
+  if f.fur == 'none' or f.lambda_u == 0:
+    return None
+  lam = float(f.lambda_u)
+  if f.fur == 'swd':
+    return lambda z, key: lam * uot.tangent_swd_loss(z, key, num_projections=f.swd_projections,
+                                                     normalize=f.normalize)
+  kw = dict(tau_a=float(f.tau_a), tau_b=float(f.tau_b), num_iters=int(f.uot_iters), cost=f.cost,
+            mass=float(f.mass), normalize=bool(f.normalize))
+  return lambda z, key: lam * uot.fur_uot_loss(z, key, **kw)[0]
+
+
 def client_spec(config: ml_collections.ConfigDict, dataset: Dataset) -> ssl_client.ClientSpec:
   h, w, c = dataset.image_shape
   tx = optim.make_optimizer(config.optimizer, momentum=config.momentum, nesterov=config.nesterov,
@@ -402,7 +464,8 @@ def client_spec(config: ml_collections.ConfigDict, dataset: Dataset) -> ssl_clie
       aug=augment.preset(config.augmentation, h), mean=tuple(dataset.mean), std=tuple(dataset.std),
       input_shape=(h, w, c), temperature=config.temperature,
       nt_xent_zero_diagonal=config.nt_xent_zero_diagonal, ema_tau=config.ema_tau,
-      reset_optimizer=config.reset_optimizer)
+      reset_optimizer=config.reset_optimizer,
+      feature_regularizer=fur_regularizer(config.fedu2) if config.algorithm == 'fedu2' else None)
 
 
 def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset) -> Algorithm:
@@ -415,6 +478,13 @@ def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset) -> Algo
     return fedu.make(spec, dapu_threshold=config.dapu_threshold)
   if config.algorithm == 'fedema':
     return fedema.make(spec, autoscaler_tau=config.autoscaler_tau)
+  if config.algorithm == 'fedu2':
+    f = config.fedu2
+    return fedu2.make(spec, clients_per_round=config.clients_per_round, eua=f.eua,
+                      eua_direction=f.direction, eua_solver=f.solver,
+                      eua_solver_iters=f.solver_iters, eua_scope=f.scope, eua_step=f.step,
+                      server_lr=f.server_lr, admm_c=f.eta_g ** 2 / f.phi, admm_rho=f.rho,
+                      byol_target_sync=config.byol_target_sync)
   return independent.make(spec, independent_init=config.independent_init)
 
 

@@ -7,10 +7,12 @@ upload) and the key-derivation rules, so that both consume identical random numb
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedjax_ssl.core import rng
 from fedjax_ssl.core.round import sample_participants
+from fedjax_ssl.ops import min_norm
 
 # Deliberate one-place bugs, so a test can show the engine comparison fails on each kind:
 #   batch  — the first participant's first batch is shifted by one row (B - 1 rows shared);
@@ -34,7 +36,8 @@ def numpy_weighted_mean(payloads, weights):
 
 
 def reference_round(algo, local_step, clients, server, data, key, round_idx, *, clients_per_round,
-                    batch_size, local_epochs, lr_fn, aggregates=True, perturb=None):
+                    batch_size, local_epochs, lr_fn, aggregates=True, aggregate=None,
+                    perturb=None):
   """Returns (clients, server, mean loss) after one round.
 
   Args:
@@ -44,6 +47,8 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     server: server state.
     data: FedData.
     aggregates: False for algorithms whose server keeps nothing (independent).
+    aggregate: the server step as (server, list of payloads, float64 weights) -> server; default
+      the float64 data-weighted mean.
     perturb: None, or one of PERTURBATIONS (a deliberate bug, for testing the comparison).
   """
   if perturb not in (None,) + PERTURBATIONS:
@@ -85,7 +90,8 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     losses.append(np.mean(step_losses))
   counts = n_all[ids] + (perturb == 'weight')
   weights = counts / counts.sum()
-  server = numpy_weighted_mean(payloads, weights) if aggregates else server
+  if aggregates:
+    server = (aggregate or (lambda _, p, w: numpy_weighted_mean(p, w)))(server, payloads, weights)
 
   def scatter(stacked, *per_client):
     out = np.array(stacked)
@@ -94,3 +100,56 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     return out
   clients = jax.tree_util.tree_map(scatter, clients, *[new[c] for c in ids])
   return clients, server, float(np.mean(losses))
+
+
+def _flat(trees):
+  """float64 concatenation of the leaves of a list of pytrees (tree order)."""
+  return np.concatenate([np.asarray(l, np.float64).ravel()
+                         for t in trees for l in jax.tree_util.tree_leaves(t)])
+
+
+def _unflat(vec, like):
+  """Inverse of _flat for one list of pytrees shaped like `like`."""
+  out, pos = [], 0
+  for t in like:
+    leaves, treedef = jax.tree_util.tree_flatten(t)
+    new = []
+    for l in leaves:
+      size = np.asarray(l).size
+      new.append(vec[pos:pos + size].reshape(np.shape(l)).astype(np.asarray(l).dtype))
+      pos += size
+    out.append(jax.tree_util.tree_unflatten(treedef, new))
+  return out
+
+
+def numpy_eua(server, payloads, weights, *, direction, solver, server_lr, step, admm_c=10.0,
+              admm_rho=1.0):
+  """FedU2's EUA server step written out on explicit flat float64 vectors: Delta_k, g_k, the Gram
+  matrix, d = sum_k p_k g_k, theta_g - lr d, data-weighted BatchNorm statistics. The min-norm
+  weights come from ops.min_norm.simplex_min_norm (tested on its own against scipy)."""
+  def trainable(model):
+    return [model['params']] + ([model['target']['params']] if 'target' in model else [])
+
+  def stats(model):
+    return {'batch_stats': model['batch_stats'],
+            **({'target': model['target']['batch_stats']} if 'target' in model else {})}
+
+  glob = {k: v for k, v in server.items() if k != 'eua'}
+  flat_g = _flat(trainable(glob))
+  deltas = np.stack([flat_g - _flat(trainable(p)) for p in payloads])
+  norms = np.linalg.norm(deltas, axis=1)
+  scales = 2.0 / (norms if direction == 'code' else norms ** 2)
+  g = scales[:, None] * deltas
+  with jax.enable_x64(True):
+    p = np.asarray(min_norm.simplex_min_norm(jnp.asarray(g @ g.T), solver, c=admm_c, rho=admm_rho))
+  d = p @ g
+  lr = server_lr * (np.sum(weights * norms) / np.linalg.norm(d) if step == 'deviation' else 1.0)
+  new_params = _unflat(flat_g - lr * d, trainable(glob))
+  new_stats = numpy_weighted_mean([stats(p) for p in payloads], weights)
+  out = {'params': new_params[0], 'batch_stats': new_stats['batch_stats']}
+  if 'target' in glob:
+    out['target'] = {'params': new_params[1], 'batch_stats': new_stats['target']}
+  dtype = np.asarray(server['eua']['p']).dtype
+  out['eua'] = {'p': p.astype(dtype), 'deviation': norms.astype(dtype),
+                'step_norm': np.asarray(lr * np.linalg.norm(d), dtype)}
+  return out

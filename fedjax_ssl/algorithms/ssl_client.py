@@ -12,7 +12,7 @@ A client state is a dict:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -48,6 +48,10 @@ class ClientSpec:
     nt_xent_zero_diagonal: the FedU2 code's zero-diagonal NT-Xent quirk.
     ema_tau: BYOL target EMA rate, target <- tau * target + (1 - tau) * online after every step.
     reset_optimizer: re-create the optimiser state at the start of every round (EasyFL, FedSC).
+    feature_regularizer: optional (z [B, dz], key) -> scalar, already weighted, added to an SSL
+      loss once per view on the online projector output z (FedU2's lambda_u * FUR). Its keys come
+      from a stream of the step key that the views do not use, so a spec without one computes
+      exactly what it did before.
   """
   method: str
   model: nn.Module
@@ -60,6 +64,10 @@ class ClientSpec:
   nt_xent_zero_diagonal: bool = False
   ema_tau: float = 0.99
   reset_optimizer: bool = True
+  feature_regularizer: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
+
+# fold_in tag of the feature regularizer's keys inside a step key.
+REGULARIZER_STREAM = 0x5e6
 
 
 def init_client(spec: ClientSpec, key: jax.Array) -> Dict[str, Any]:
@@ -107,17 +115,26 @@ def loss_fn(spec: ClientSpec, params, client, batch, key) -> Tuple[jax.Array, Tu
   with_pred = spec.method in ('byol', 'simsiam')
   o1, bs = _apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
   o2, bs = _apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
+  reg = _view_regularizer(spec, (o1['z'], o2['z']), key)
   if spec.method == 'simclr':
-    return losses.nt_xent(o1['z'], o2['z'], spec.temperature,
-                          zero_diagonal=spec.nt_xent_zero_diagonal), (bs, None)
+    return reg + losses.nt_xent(o1['z'], o2['z'], spec.temperature,
+                                zero_diagonal=spec.nt_xent_zero_diagonal), (bs, None)
   if spec.method == 'simsiam':
-    return losses.simsiam_loss(o1['p'], o2['p'], o1['z'], o2['z']), (bs, None)
+    return reg + losses.simsiam_loss(o1['p'], o2['p'], o1['z'], o2['z']), (bs, None)
   target = client['target']
   tbs = target['batch_stats']
   t1, tbs = _apply_train(spec.model, target['params'], tbs, v1, with_predictor=False)
   t2, tbs = _apply_train(spec.model, target['params'], tbs, v2, with_predictor=False)
   t1, t2 = jax.lax.stop_gradient(t1['z']), jax.lax.stop_gradient(t2['z'])
-  return losses.byol_loss(o1['p'], o2['p'], t1, t2), (bs, tbs)
+  return reg + losses.byol_loss(o1['p'], o2['p'], t1, t2), (bs, tbs)
+
+
+def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
+  """Sum over the views of spec.feature_regularizer(z_v, key_v) (0 without one)."""
+  if spec.feature_regularizer is None:
+    return jnp.zeros((), jnp.float32)
+  keys = jax.random.split(jax.random.fold_in(key, REGULARIZER_STREAM), len(zs))
+  return sum(spec.feature_regularizer(z, k) for z, k in zip(zs, keys))
 
 
 def local_step(spec: ClientSpec, client, batch, key, msg, lr) -> Tuple[Dict[str, Any], jax.Array]:
