@@ -126,15 +126,22 @@ def load_table(path: str, scale: str) -> Table:
 
 
 def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:
-  """base <- column overrides <- row overrides <- seed. Unknown keys raise cv.ConfigError."""
+  """base <- column overrides <- row overrides <- seed. Unknown keys raise cv.ConfigError.
+
+  A key may name a sub-config's entry with a dot ('fedu2.fur').
+  """
   config = ml_collections.ConfigDict(table.base.to_dict())
   for what, overrides in (('column', table.columns[column]), ('row', table.rows[row])):
     for key, value in overrides.items():
       where = f'table {table.name!r}, {what} {row if what == "row" else column!r}'
-      if key not in config:
+      *parents, leaf = key.split('.')
+      node = config
+      for part in parents:
+        node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+      if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
         raise cv.ConfigError(f'{where}: config key {key!r} does not exist')
       try:
-        config[key] = value
+        node[leaf] = value
       except (TypeError, ValueError) as e:
         raise cv.ConfigError(f'{where}: {key} = {value!r} is invalid: {e}') from None
   config.seed = seed
@@ -146,6 +153,7 @@ def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collection
 _UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
+    'fedu2': lambda c: c.algorithm != 'fedu2',
 }
 
 

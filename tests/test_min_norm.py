@@ -174,7 +174,7 @@ def test_admm_reaches_exact_optimum(kind):
 
 
 def test_admm_literal_is_a_clipped_ridge_solution():
-  """The paper's printed update converges to max(0, (cG + ρI)⁻¹1) renormalised (measured numbers in comments)."""
+  """The paper's printed update ends on max(0, (cG + ρI)⁻¹1) renormalised, or on uniform after a μ overshoot."""
   uniform = np.full(10, 0.1)
   # Interior optimum, large c: the ridge term vanishes and no clipping is needed, so it is near-exact
   # (measured: objective +1.5e-6 relative, weights 1.2e-3 apart in L1).
