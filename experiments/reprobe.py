@@ -29,20 +29,10 @@ _STANDARDIZE = flags.DEFINE_bool('standardize', False, 'z-score the features bef
 _ROUND = flags.DEFINE_integer('round', None, 'Checkpointed round to evaluate (default: latest).')
 
 
-def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
-  """The run's config.json over today's defaults (keys added since the run get their defaults)."""
-  path = workdir / 'config.json'
-  if not path.exists():
-    raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
-  config = experiment.default_config()
-  config.update(json.loads(path.read_text()))
-  return config
-
-
 def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
             round_idx: int | None) -> dict:
   """{'round', 'probe_epochs', 'standardize', 'random_init_probe_acc', 'trained_probe_acc'}."""
-  config = load_run_config(workdir)
+  config = experiment.load_run_config(workdir)
   if probe_epochs is not None:
     config.probe_epochs = probe_epochs
   config.probe_standardize = standardize

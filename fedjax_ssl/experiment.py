@@ -13,6 +13,7 @@ builders:
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import zipfile
 from typing import Any, Dict, Optional, Tuple
@@ -148,6 +149,16 @@ def _validate_fedu2(config: ml_collections.ConfigDict) -> None:
   cv.check_int_range('fedu2.uot_iters', f.uot_iters, 1, 1_000_000)
   cv.check_int_range('fedu2.swd_projections', f.swd_projections, 1, 1_000_000)
   cv.check_int_range('fedu2.solver_iters', f.solver_iters, 0, 10_000_000)
+
+
+def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+  """The run's config.json over today's defaults (keys added since the run get their defaults)."""
+  path = workdir / 'config.json'
+  if not path.exists():
+    raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
+  config = default_config()
+  config.update(json.loads(path.read_text()))
+  return config
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
