@@ -31,6 +31,7 @@ from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset, FedData
 from fedjax_ssl.ops import uot
+from fedjax_ssl.ssl.losses import l2_normalize
 
 _OUT = flags.DEFINE_string('out', 'fedu2_timing.json', 'Where to write the JSON results.')
 _BATCHES = flags.DEFINE_list('batch_sizes', ['128', '256', '512'], 'UOT batch sizes B.')
@@ -59,7 +60,7 @@ def _time(fn, *args):
 def time_uot(bsz: int) -> dict:
   z = jax.random.normal(jax.random.PRNGKey(0), (bsz, 512))
   s = uot.sphere_prior(jax.random.PRNGKey(1), (bsz, 512))
-  cost = uot.transport_cost(jax.nn.standardize(z), s, 'l2')
+  cost = uot.transport_cost(l2_normalize(z), s, "l2")
   ones = jnp.ones((bsz,))
   solve = jax.jit(lambda c: uot.solve_l2_uot(c, ones, ones, 0.8, 0.8, 100)[0])
   fur = jax.jit(jax.value_and_grad(lambda z, k: uot.fur_uot_loss(z, k)[0]))
