@@ -37,7 +37,7 @@ def numpy_weighted_mean(payloads, weights):
 
 def reference_round(algo, local_step, clients, server, data, key, round_idx, *, clients_per_round,
                     batch_size, local_epochs, lr_fn, aggregates=True, aggregate=None,
-                    perturb=None):
+                    prepare=None, personalize=None, drop_last=True, perturb=None):
   """Returns (clients, server, mean loss) after one round.
 
   Args:
@@ -49,6 +49,10 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     aggregates: False for algorithms whose server keeps nothing (independent).
     aggregate: the server step as (server, list of payloads, float64 weights) -> server; default
       the float64 data-weighted mean.
+    prepare: the algorithm's pre-round server step as (server, data, ids list, round_idx, key) ->
+      server, written independently (FedSC's uploads); needed when algo.prepare is set.
+    personalize: (msg, client id int) -> msg, written independently; needed with algo.personalize.
+    drop_last: False keeps the ragged last batch of each epoch, with batch['mask'].
     perturb: None, or one of PERTURBATIONS (a deliberate bug, for testing the comparison).
   """
   if perturb not in (None,) + PERTURBATIONS:
@@ -56,15 +60,20 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
   x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
   num_clients, n_max = x.shape[0], x.shape[1]
   ids = [int(i) for i in np.asarray(sample_participants(key, num_clients, clients_per_round))]
-  msg = algo.broadcast(server)
+  assert (prepare is None) == (algo.prepare is None), 'pass a reference prepare for this algorithm'
+  assert (personalize is None) == (algo.personalize is None), 'pass a reference personalize'
+  if prepare is not None:
+    server = prepare(server, data, ids, round_idx, key)
+  msg_all = algo.broadcast(server)
   lr = lr_fn(round_idx)
   new = {}
   payloads, losses = [], []
   smallest = min(ids, key=lambda c: (n_all[c], c))
   for pos, cid in enumerate(ids):
     ckey = rng.client_key(key, cid)
+    msg = personalize(msg_all, cid) if personalize is not None else msg_all
     n = int(n_all[cid])
-    spe = max(n // batch_size, 1)
+    spe = max(n // batch_size if drop_last else -(-n // batch_size), 1)
     client = algo.begin(_take(clients, cid), msg, rng.begin_key(ckey))
     start = client
     step_losses = []
@@ -79,10 +88,13 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
       order = np.argsort(np.where(np.arange(n_max) < n, u, 2.0), kind='stable')
       assert set(order[:n]) == set(range(n))
       shift = int(perturb == 'batch' and first and s == 0)
-      idx = order[(j * batch_size + np.arange(batch_size) + shift) % n]
+      pos = j * batch_size + np.arange(batch_size) + shift
+      idx = order[pos % n]
       step_key = rng.step_key(ckey, s + int(perturb == 'key' and first and s == 0))
-      client, loss = local_step(client, {'x': x[data_cid][idx], 'y': y[data_cid][idx]},
-                                step_key, msg, lr)
+      batch = {'x': x[data_cid][idx], 'y': y[data_cid][idx]}
+      if not drop_last:
+        batch['mask'] = pos < n
+      client, loss = local_step(client, batch, step_key, msg, lr)
       step_losses.append(float(loss))
     client = algo.end(start, client, msg)
     new[cid] = client
@@ -153,3 +165,71 @@ def numpy_eua(server, payloads, weights, *, direction, solver, server_lr, step, 
   out['eua'] = {'p': p.astype(dtype), 'deviation': norms.astype(dtype),
                 'step_norm': np.asarray(lr * np.linalg.norm(d), dtype)}
   return out
+
+
+def numpy_calr(spec, apply_fn, variables, x, n, key, *, views, chunk, mu):
+  """FedSC's DP-CalR matrix of one client (before noise), by loops: each chunk and view augmented
+  with the engine's keys and passed through `apply_fn` (-> z), then NormClip and the mean of ž žᵀ
+  over the real rows in numpy float64."""
+  from fedjax_ssl.data import augment  # pylint: disable=g-import-not-at-top
+  n_max = x.shape[0]
+  acc = 0.0
+  for c in range(-(-n_max // chunk)):
+    rows = c * chunk + np.arange(chunk)
+    for v in range(views):
+      k = jax.random.fold_in(jax.random.fold_in(key, c), v)
+      img = augment.normalize(augment.augment_batch(k, jnp.asarray(x[np.minimum(rows, n_max - 1)]),
+                                                    spec.aug), spec.mean, spec.std)
+      z = np.asarray(apply_fn(variables, img), np.float64)
+      for b in np.flatnonzero(rows < n):
+        zb = z[b]
+        if mu is not None and np.linalg.norm(zb) >= np.sqrt(mu):
+          zb = np.sqrt(mu) * zb / np.linalg.norm(zb)
+        acc = acc + np.outer(zb, zb)
+  return acc / (views * n)
+
+
+def numpy_fedsc_hooks(spec, *, num_rounds, sigma, views, chunk, mu, share_start=0, share_every=1,
+                      matrix_weights='uniform', alpha_schedule='linear', alpha_start=1.0,
+                      alpha_end=0.2):
+  """(prepare, personalize) of FedSC written out with Python loops and numpy float64: who uploads
+  in round t (everyone at the first share round, then the participants), each uploader's DP-CalR
+  plus its noise (ops.privacy.add_noise with the engine's key rule, so the same keys give the same
+  noise), the share counts, q, alpha_t, and R̃_{-j} as an explicit sum over the other clients."""
+  from fedjax_ssl.algorithms import fedsc  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.ops import privacy  # pylint: disable=g-import-not-at-top
+  apply_fn = jax.jit(lambda v, img: spec.model.apply(v, img, train=False, with_predictor=False)['z'])
+
+  def prepare(server, data, ids, round_idx, key):
+    t = round_idx + 1
+    dtype = np.asarray(server['cov']).dtype
+    cov = np.array(server['cov'], np.float64)
+    shares = np.array(server['shares'])
+    x, n = np.asarray(data.x), np.asarray(data.n)
+    if t > share_start and t % share_every == 0:
+      for c in (range(len(n)) if shares.sum() == 0 else ids):
+        ckey = jax.random.fold_in(rng.client_key(key, c), fedsc.CALR_STREAM)
+        r = numpy_calr(spec, apply_fn, server['model'], x[c], int(n[c]), ckey, views=views,
+                       chunk=chunk, mu=mu)
+        if sigma > 0:
+          noise_key = jax.random.fold_in(ckey, fedsc.NOISE_STREAM)
+          r = r + np.asarray(privacy.add_noise(noise_key, jnp.zeros(r.shape, dtype), sigma))
+        cov[c] = r
+        shares[c] += 1
+    q = np.full(len(n), 1.0 / len(n)) if matrix_weights == 'uniform' else n / n.sum()
+    alpha = alpha_start + (alpha_end - alpha_start) * (t - 1) / num_rounds
+    return dict(server, cov=cov.astype(dtype), shares=shares,
+                q=q.astype(np.asarray(server['q']).dtype),
+                alpha=np.asarray(alpha, np.asarray(server['alpha']).dtype))
+
+  def personalize(msg, cid):
+    cov, q = np.asarray(msg['cov'], np.float64), np.asarray(msg['q'], np.float64)
+    dtype = np.asarray(msg['cov']).dtype
+    if np.asarray(msg['shares']).sum() == 0:
+      return {'model': msg['model'], 'alpha': np.asarray(1.0, dtype),
+              'r_other': np.zeros(cov.shape[1:], dtype)}
+    r = sum(q[k] * cov[k] for k in range(len(q)) if k != cid) / (1.0 - q[cid])
+    alpha = msg['alpha'] if alpha_schedule == 'linear' else q[cid]
+    return {'model': msg['model'], 'alpha': np.asarray(alpha, dtype), 'r_other': r.astype(dtype)}
+
+  return prepare, personalize

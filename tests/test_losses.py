@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_ssl.ops import correlation
 from fedjax_ssl.ssl import losses
 
 RTOL, ATOL = 2e-5, 2e-6        # float32 jax vs float64 numpy values
@@ -155,14 +156,14 @@ def test_nt_xent_quirk_hand_value():
 
 def test_norm_clip_numbers_and_grad():
   z = np.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [-6.0, 8.0]])
-  out = losses.norm_clip(jnp.asarray(z, jnp.float32), 2.0)
+  out = correlation.norm_clip(jnp.asarray(z, jnp.float32), 2.0)
   np.testing.assert_allclose(out, [[1.2, 1.6], [0.3, 0.4], [0.0, 0.0], [-1.2, 1.6]], rtol=1e-6)
   rng = np.random.default_rng(3)
   w = randn(rng, 4, 2)
   zz = z + 0.1 * randn(rng, 4, 2)  # off the all-zero row so finite differences are smooth everywhere
-  check_value_and_grads(lambda a, b: jnp.sum(losses.norm_clip(a, 2.0) * b),
+  check_value_and_grads(lambda a, b: jnp.sum(correlation.norm_clip(a, 2.0) * b),
                         lambda a, b: np.sum(np_norm_clip(a, 2.0) * b), [zz, w], grad_args=(0,))
-  assert np.all(np.isfinite(jax.grad(lambda a: jnp.sum(losses.norm_clip(a, 2.0)))(jnp.zeros((2, 3)))))
+  assert np.all(np.isfinite(jax.grad(lambda a: jnp.sum(correlation.norm_clip(a, 2.0)))(jnp.zeros((2, 3)))))
 
 
 @pytest.mark.parametrize('alpha,use_global,mu', [(1.0, False, None), (1.0, False, 1.5), (0.6, True, None),
@@ -193,7 +194,7 @@ def test_spectral_equals_pairwise_form():
   z0, z1 = randn(rng, 7, 4), randn(rng, 7, 4)
   got = float(losses.spectral_contrastive_loss(jnp.asarray(z0, jnp.float32), jnp.asarray(z1, jnp.float32)))
   np.testing.assert_allclose(got, np_spectral_pairwise(z0, z1), rtol=RTOL, atol=ATOL)
-  r_hat, r_plus = losses.correlation_matrices(jnp.asarray(z0, jnp.float32), jnp.asarray(z1, jnp.float32))
+  r_hat, r_plus = correlation.correlation_matrices(jnp.asarray(z0, jnp.float32), jnp.asarray(z1, jnp.float32))
   np.testing.assert_allclose(-2 * np.trace(r_plus) + np.sum(np.asarray(r_hat) ** 2),
                              np_spectral_pairwise(z0, z1), rtol=RTOL, atol=ATOL)
   # Entry-wise against sums over samples.

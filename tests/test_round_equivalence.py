@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import fedavg, fedema, fedu, fedu2, independent, ssl_client
+from fedjax_ssl.algorithms import fedavg, fedema, fedsc, fedu, fedu2, independent, ssl_client
 from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
@@ -52,7 +52,7 @@ def _fur(kind):
   return lambda z, key: 0.01 * uot.tangent_swd_loss(z, key, normalize=True)
 
 
-def _spec(method, reset_optimizer=True, tx='sgd', fur=None):
+def _spec(method, reset_optimizer=True, tx='sgd', fur=None, sc_mu=None):
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   if method == 'supervised':
     model = models.Classifier(enc, 3)
@@ -63,7 +63,7 @@ def _spec(method, reset_optimizer=True, tx='sgd', fur=None):
   return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
                                input_shape=(8, 8, 1), temperature=0.5, ema_tau=0.9,
                                reset_optimizer=reset_optimizer,
-                               feature_regularizer=_fur(fur) if fur else None)
+                               feature_regularizer=_fur(fur) if fur else None, sc_mu=sc_mu)
 
 
 ALGOS = {
@@ -91,7 +91,19 @@ ALGOS = {
                                        eua_step='deviation', server_lr=1.0),
     'fedu2_simsiam_no_eua': lambda: fedu2.make(_spec('simsiam', fur='uot'), clients_per_round=4,
                                                eua=False),
+    # FedSC: sharing from round 1 (round 0 of the engine: everyone uploads, then participants),
+    # DP noise, data-weighted matrices with alpha_j = q_j, clipped loss and DP-CalR, 3 views, chunks
+    # of 8 (so clients span 1-4 chunks with padding); and a late schedule (no share in the first
+    # round, the local SC loss) with uniform weights, no noise and the ragged last batch.
+    'fedsc_dp': lambda: fedsc.make(_spec('sc', sc_mu=2.0), num_rounds=10, sigma=0.05,
+                                   calr_views=3, calr_batch=8, mu=2.0, matrix_weights='data',
+                                   alpha_schedule='q'),
+    'fedsc_late_ragged': lambda: fedsc.make(_spec('sc'), num_rounds=10, share_start=1,
+                                            calr_views=2, calr_batch=16, model_weights='data'),
 }
+
+# Algorithms trained with drop_last=False (the ragged last batch).
+RAGGED = ('fedsc_late_ragged',)
 
 # The server step each reference loop uses in place of the float64 data-weighted mean.
 REFERENCE_AGGREGATES = {
@@ -102,13 +114,28 @@ REFERENCE_AGGREGATES = {
     'fedu2_simsiam_no_eua': lambda server, payloads, weights: dict(
         reference.numpy_weighted_mean(payloads, weights),
         eua=dict(server['eua'], p=np.asarray(weights, np.asarray(server['eua']['p']).dtype))),
+    'fedsc_dp': lambda server, payloads, weights: dict(
+        server, model=reference.numpy_weighted_mean(payloads, np.full(len(weights), 1 / len(weights)))),
+    'fedsc_late_ragged': lambda server, payloads, weights: dict(
+        server, model=reference.numpy_weighted_mean(payloads, weights)),
+}
+
+# FedSC's pre-round uploads and per-participant message, written out independently (on a client
+# spec equal to the algorithm's).
+REFERENCE_HOOKS = {
+    'fedsc_dp': lambda: reference.numpy_fedsc_hooks(
+        _spec('sc', sc_mu=2.0), num_rounds=10, sigma=0.05, views=3, chunk=8, mu=2.0,
+        matrix_weights='data', alpha_schedule='q'),
+    'fedsc_late_ragged': lambda: reference.numpy_fedsc_hooks(
+        _spec('sc'), num_rounds=10, sigma=0.0, views=2, chunk=16, mu=None,
+        share_start=1),
 }
 
 
-def _round_cfg(strategy, m, chunk=2):
+def _round_cfg(strategy, m, chunk=2, drop_last=True):
   return rd.RoundConfig(clients_per_round=m, local_epochs=EPOCHS, batch_size=BATCH,
                         lr_fn=lambda r: optim.round_lr(0.02, 'cosine', r, 10), strategy=strategy,
-                        map_chunk_size=chunk)
+                        map_chunk_size=chunk, drop_last=drop_last)
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,7 +187,13 @@ def _reference(name, state, data, key, r, cfg, perturb=None):
       algo, local_step, state.clients, state.server, data, key, r,
       clients_per_round=cfg.clients_per_round, batch_size=BATCH, local_epochs=EPOCHS,
       lr_fn=cfg.lr_fn, aggregates=not name.startswith('independent'),
-      aggregate=REFERENCE_AGGREGATES.get(name), perturb=perturb)
+      aggregate=REFERENCE_AGGREGATES.get(name), drop_last=cfg.drop_last, perturb=perturb,
+      **dict(zip(('prepare', 'personalize'), _hooks(name))))
+
+
+@functools.lru_cache(maxsize=None)
+def _hooks(name):
+  return REFERENCE_HOOKS[name]() if name in REFERENCE_HOOKS else (None, None)
 
 
 def _check_rounds(name, strategy, m, baseline=None, rounds=2):
@@ -174,7 +207,7 @@ def _check_rounds(name, strategy, m, baseline=None, rounds=2):
   with jax.enable_x64(True):
     algo, _ = _algo(name)
     data = _data()
-    cfg = _round_cfg(strategy, m)
+    cfg = _round_cfg(strategy, m, drop_last=name not in RAGGED)
     step = _make_step(algo, cfg, baseline)
     state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
     for r in range(rounds):
@@ -192,15 +225,20 @@ def _check_rounds(name, strategy, m, baseline=None, rounds=2):
 @pytest.mark.parametrize('name', sorted(ALGOS))
 def test_vmap_round_step_matches_reference_loop(name):
   # Partial participation: 4 of 6 clients, so round 2 mixes first-time and returning clients.
-  _check_rounds(name, 'vmap', 4)
+  # FedSC's late schedule runs a third round: its first share (everyone) is round 2, participants
+  # alone upload in round 3.
+  _check_rounds(name, 'vmap', 4, rounds=3 if name == 'fedsc_late_ragged' else 2)
 
 
 # The strategies only change how clients are mapped, not what an algorithm computes: FedU2 runs
 # here once, under 'shard' (payloads gathered across devices before EUA), for the suite's time
-# budget; its three variants run under vmap above.
+# budget; its three variants run under vmap above. FedSC runs under map and (with DP) shard.
 @pytest.mark.parametrize('name,strategy', [
     (n, s) for n in sorted(ALGOS) for s in ('map', 'shard')
-    if not n.startswith('fedu2') or (n, s) == ('fedu2_byol', 'shard')])
+    if not n.startswith(('fedu2', 'fedsc')) or (n, s) in (('fedu2_byol', 'shard'),
+                                                          ('fedsc_dp', 'map'),
+                                                          ('fedsc_late_ragged', 'map'),
+                                                          ('fedsc_dp', 'shard'))])
 def test_other_strategies_match_reference_loop(name, strategy):
   _check_rounds(name, strategy, 4)
 

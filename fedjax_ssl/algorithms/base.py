@@ -12,11 +12,22 @@ stacked client axis) plus a server aggregation over the stacked uploads of the r
   upload(client)                         -> payload        (what the server receives)
   aggregate(server, payloads [m, ...], weights [m]) -> server   (weights sum to 1)
   eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
+
+Optional hooks, for methods whose round has more structure (FedSC); an algorithm without them
+computes exactly what it did before they existed:
+
+  prepare(server, data, ids, round, key) -> server  (once per round, before `broadcast`, inside the
+                                                      jitted round: e.g. uploads that every
+                                                      participant needs before local training)
+  personalize(msg, client_id)            -> msg     (a participant's own view of the broadcast,
+                                                      e.g. the aggregate without its own matrix)
+  host_metrics(state)                    -> dict    (host-side scalars logged after every round,
+                                                      e.g. the privacy ledger's epsilon)
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +49,11 @@ class Algorithm:
   encoder_apply: Callable[..., Any]
   # True when clients keep personal models that must be evaluated one by one.
   personalized: bool = False
+  prepare: Optional[Callable[..., Any]] = None
+  personalize: Optional[Callable[..., Any]] = None
+  host_metrics: Optional[Callable[..., Dict[str, float]]] = None
+  # True when local_step honours batch['mask'] (the ragged last batch of `drop_last=False`).
+  ragged_batches: bool = False
 
 
 def weighted_mean(stacked: Any, weights: jax.Array) -> Any:

@@ -71,6 +71,7 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
+      ragged_batches=spec.method == 'sc',
   )
 
 

@@ -1,5 +1,5 @@
 """What every SSL (or supervised) client does locally, shared by the FedAvg family, FedU, FedEMA,
-independent and centralized training: the model, the two-view augmentation, the loss, one
+FedU2, FedSC, independent and centralized training: the model, the two-view augmentation, the loss, one
 optimiser step, and the BYOL EMA target.
 
 A client state is a dict:
@@ -22,13 +22,14 @@ import optax
 from fedjax_ssl.data import augment
 from fedjax_ssl.ssl import losses
 
-SSL_METHODS = ('byol', 'simsiam', 'simclr', 'supervised')
+SSL_METHODS = ('byol', 'simsiam', 'simclr', 'sc', 'supervised')
 
 # Top-level parameter groups each method averages across clients (FedAvg) — the online network.
 SHARED_MODULES = {
     'byol': ('encoder', 'projector', 'predictor'),
     'simsiam': ('encoder', 'projector', 'predictor'),
     'simclr': ('encoder', 'projector'),
+    'sc': ('encoder', 'projector'),
     'supervised': ('encoder', 'head'),
 }
 
@@ -52,6 +53,10 @@ class ClientSpec:
       loss once per view on the online projector output z (FedU2's lambda_u * FUR). Its keys come
       from a stream of the step key that the views do not use, so a spec without one computes
       exactly what it did before.
+    sc_mu: NormClip level mu of the spectral contrastive loss ('sc'; the FedSC code clips inside
+      the training loss, A4), or None for no clip.
+    sc_scale: factor on the SC loss: 1 = the FedSC code's scale (2 x the paper's batch loss), 0.5 =
+      the paper's.
   """
   method: str
   model: nn.Module
@@ -65,6 +70,8 @@ class ClientSpec:
   ema_tau: float = 0.99
   reset_optimizer: bool = True
   feature_regularizer: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
+  sc_mu: Optional[float] = None
+  sc_scale: float = 1.0
 
 # fold_in tag of the feature regularizer's keys inside a step key.
 REGULARIZER_STREAM = 0x5e6
@@ -104,8 +111,13 @@ def _apply_train(model, params, batch_stats, x, **kw):
   return out, updates.get('batch_stats', {})
 
 
-def loss_fn(spec: ClientSpec, params, client, batch, key) -> Tuple[jax.Array, Tuple[Any, Any]]:
-  """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats)."""
+def loss_fn(spec: ClientSpec, params, client, batch, key, sc_shared=None
+            ) -> Tuple[jax.Array, Tuple[Any, Any]]:
+  """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats).
+
+  sc_shared: for 'sc', None (FedAvg+SC: the local SC loss) or (alpha scalar, R_other [H, H]), the
+  FedSC inter-client term (alpha = 1 with R_other = 0 is the local loss, exactly).
+  """
   bs = client['batch_stats']
   if spec.method == 'supervised':
     (x,) = _views(spec, key, batch['x'], 1)
@@ -116,6 +128,11 @@ def loss_fn(spec: ClientSpec, params, client, batch, key) -> Tuple[jax.Array, Tu
   o1, bs = _apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
   o2, bs = _apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
   reg = _view_regularizer(spec, (o1['z'], o2['z']), key)
+  if spec.method == 'sc':
+    alpha, r_other = sc_shared if sc_shared is not None else (1.0, None)
+    sc = losses.spectral_contrastive_loss(o1['z'], o2['z'], alpha=alpha, r_global=r_other,
+                                          mu=spec.sc_mu, mask=batch.get('mask'))
+    return reg + spec.sc_scale * sc, (bs, None)
   if spec.method == 'simclr':
     return reg + losses.nt_xent(o1['z'], o2['z'], spec.temperature,
                                 zero_diagonal=spec.nt_xent_zero_diagonal), (bs, None)
@@ -137,11 +154,12 @@ def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
   return sum(spec.feature_regularizer(z, k) for z, k in zip(zs, keys))
 
 
-def local_step(spec: ClientSpec, client, batch, key, msg, lr) -> Tuple[Dict[str, Any], jax.Array]:
+def local_step(spec: ClientSpec, client, batch, key, msg, lr, sc_shared=None
+               ) -> Tuple[Dict[str, Any], jax.Array]:
   """One SGD/Adam step on one batch (and the BYOL target EMA update after it)."""
   del msg
   (loss, (bs, tbs)), grads = jax.value_and_grad(
-      lambda p: loss_fn(spec, p, client, batch, key), has_aux=True)(client['params'])
+      lambda p: loss_fn(spec, p, client, batch, key, sc_shared), has_aux=True)(client['params'])
   updates, opt_state = spec.tx.update(grads, client['opt_state'], client['params'])
   params = jax.tree_util.tree_map(lambda p, u: p - lr * u, client['params'], updates)
   new = dict(client, params=params, batch_stats=bs, opt_state=opt_state)

@@ -2,7 +2,9 @@
 
 A client with n examples runs E * steps_per_epoch(n) real steps, steps_per_epoch(n) = max(n // B, 1)
 (drop_last, as the EasyFL / FedU2 codes do; a client with fewer than B examples makes one step per epoch
-over a wrapped-around batch). The scan length is the same for every client (that of n_max); the surplus
+over a wrapped-around batch). With drop_last=False (the FedSC code's DataLoader) an epoch has
+ceil(n / B) steps; the last batch is filled by wrapping around and carries batch['mask'] (bool [B],
+False on the filler rows) so the loss can use the real batch size. The scan length is the same for every client (that of n_max); the surplus
 steps of smaller clients are masked no-ops, so E local epochs always mean E passes over that client's own
 data. Batches are read through a fresh permutation of the client's valid rows every epoch; padding rows
 are never read.
@@ -17,14 +19,17 @@ import jax.numpy as jnp
 from fedjax_ssl.core import rng
 
 
-def steps_per_epoch(n: jax.Array, batch_size: int) -> jax.Array:
-  """int32 number of batches in one epoch of a client with n examples (drop_last, at least one)."""
-  return jnp.maximum(n // batch_size, 1)
+def steps_per_epoch(n: jax.Array, batch_size: int, drop_last: bool = True) -> jax.Array:
+  """int32 number of batches in one epoch of a client with n examples (at least one)."""
+  if drop_last:
+    return jnp.maximum(n // batch_size, 1)
+  return jnp.maximum((n + batch_size - 1) // batch_size, 1)
 
 
-def max_local_steps(n_max: int, batch_size: int, local_epochs: int) -> int:
+def max_local_steps(n_max: int, batch_size: int, local_epochs: int, drop_last: bool = True) -> int:
   """Static scan length: the step count of the largest possible client."""
-  return local_epochs * max(n_max // batch_size, 1)
+  per_epoch = n_max // batch_size if drop_last else -(-n_max // batch_size)
+  return local_epochs * max(per_epoch, 1)
 
 
 def epoch_permutations(ckey: jax.Array, n: jax.Array, n_max: int, local_epochs: int) -> jax.Array:
@@ -39,17 +44,25 @@ def epoch_permutations(ckey: jax.Array, n: jax.Array, n_max: int, local_epochs: 
   return jax.vmap(one)(jnp.arange(local_epochs))
 
 
-def batch_indices(perms: jax.Array, step: jax.Array, n: jax.Array, batch_size: int) -> jax.Array:
+def batch_positions(step: jax.Array, n: jax.Array, batch_size: int, drop_last: bool = True
+                    ) -> jax.Array:
+  """int32 [B] positions in the epoch's order read by local step `step`, before wrapping at n
+  (positions >= n are the filler rows of a ragged last batch)."""
+  spe = steps_per_epoch(n, batch_size, drop_last)
+  return (step % spe) * batch_size + jnp.arange(batch_size)
+
+
+def batch_indices(perms: jax.Array, step: jax.Array, n: jax.Array, batch_size: int,
+                  drop_last: bool = True) -> jax.Array:
   """int32 [B] row indices of local step `step` (epoch = step // spe, batch = step % spe)."""
-  spe = steps_per_epoch(n, batch_size)
+  spe = steps_per_epoch(n, batch_size, drop_last)
   epoch = jnp.minimum(step // spe, perms.shape[0] - 1)
-  pos = ((step % spe) * batch_size + jnp.arange(batch_size)) % n
-  return perms[epoch, pos]
+  return perms[epoch, batch_positions(step, n, batch_size, drop_last) % n]
 
 
 def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, n: jax.Array,
                  ckey: jax.Array, msg: Any, lr: jax.Array, *, batch_size: int,
-                 local_epochs: int) -> Tuple[Any, jax.Array]:
+                 local_epochs: int, drop_last: bool = True) -> Tuple[Any, jax.Array]:
   """Runs one client's local training.
 
   Args:
@@ -59,16 +72,19 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
     ckey: the client's round key.
     msg: server broadcast.
     lr: float32 scalar learning rate of this round.
+    drop_last: False adds batch['mask'] and the ragged last batch (module docstring).
   Returns:
     (client state after training, mean loss over the real steps).
   """
   n_max = x.shape[0]
-  num_steps = local_epochs * steps_per_epoch(n, batch_size)
+  num_steps = local_epochs * steps_per_epoch(n, batch_size, drop_last)
   perms = epoch_permutations(ckey, n, n_max, local_epochs)
 
   def step(carry, s):
-    idx = batch_indices(perms, s, n, batch_size)
+    idx = batch_indices(perms, s, n, batch_size, drop_last)
     batch = {'x': x[idx], 'y': y[idx]}
+    if not drop_last:
+      batch['mask'] = batch_positions(s, n, batch_size, drop_last) < n
     # Masked no-op: a finished client keeps its state bit-for-bit. `lax.cond` skips the work when
     # clients run one at a time (strategy 'map' with chunk 1); under vmap it lowers to a select.
     # The loss is a metric and is kept in float32 whatever the state's dtype (float64 under x64),
@@ -78,6 +94,6 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
       return c, loss.astype(jnp.float32)
     return jax.lax.cond(s < num_steps, real_step, lambda c: (c, jnp.zeros((), jnp.float32)), carry)
 
-  total = max_local_steps(n_max, batch_size, local_epochs)
+  total = max_local_steps(n_max, batch_size, local_epochs, drop_last)
   client, losses = jax.lax.scan(step, client, jnp.arange(total))
   return client, jnp.sum(losses) / num_steps

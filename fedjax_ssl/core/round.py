@@ -35,6 +35,8 @@ class RoundConfig:
     lr_fn: round index (int32 scalar) -> learning rate (float32 scalar).
     strategy: 'vmap' | 'map' | 'shard' | 'auto' (see strategies.py).
     map_chunk_size: clients per chunk for 'map'.
+    drop_last: False keeps each epoch's ragged last batch (core/local.py); only for algorithms
+      with `ragged_batches`.
   """
   clients_per_round: int
   local_epochs: int
@@ -42,6 +44,7 @@ class RoundConfig:
   lr_fn: Callable[[jax.Array], jax.Array]
   strategy: str = 'auto'
   map_chunk_size: int = 1
+  drop_last: bool = True
 
 
 def init_state(algo: Algorithm, key: jax.Array, num_clients: int) -> FedState:
@@ -64,29 +67,43 @@ def sample_participants(rkey: jax.Array, num_clients: int, m: int) -> jax.Array:
 def client_round_fn(algo: Algorithm, cfg: RoundConfig) -> Callable:
   """One participant's whole round: begin -> local training -> end -> upload.
 
-  Returns fn(client, x, y, n, ckey, msg, lr) -> (client, payload, mean loss).
+  Returns fn(client, x, y, n, ckey, cid, msg, lr) -> (client, payload, mean loss).
   """
-  def fn(client, x, y, n, ckey, msg, lr):
+  def fn(client, x, y, n, ckey, cid, msg, lr):
+    if algo.personalize is not None:
+      msg = algo.personalize(msg, cid)
     start = algo.begin(client, msg, rng.begin_key(ckey))
     trained, loss = local.train_client(algo.local_step, start, x, y, n, ckey, msg, lr,
-                                       batch_size=cfg.batch_size, local_epochs=cfg.local_epochs)
+                                       batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+                                       drop_last=cfg.drop_last)
     trained = algo.end(start, trained, msg)
     return trained, algo.upload(trained), loss
   return fn
 
 
-def _finish_round(algo: Algorithm, state: FedState, ids, n_sel, new_sel, payloads, losses, lr):
+def _prepare(algo: Algorithm, state: FedState, data: FedData, ids, key):
+  """The server state after the algorithm's `prepare` hook (unchanged without one)."""
+  if algo.prepare is None:
+    return state.server
+  return algo.prepare(state.server, data, ids, state.round, key)
+
+
+def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel, payloads, losses,
+                  lr):
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   weights = n_sel.astype(fdtype) / jnp.sum(n_sel).astype(fdtype)
-  server = algo.aggregate(state.server, payloads, weights)
+  server = algo.aggregate(server, payloads, weights)
   clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
   metrics = {'loss': jnp.mean(losses), 'lr': lr}
   return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
-def validate(cfg: RoundConfig, num_clients: int) -> None:
+def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) -> None:
   """Raises a ValueError naming the bad setting, before anything is compiled."""
+  if algo is not None and not cfg.drop_last and not algo.ragged_batches:
+    raise ValueError(f'drop_last = False is invalid for algorithm {algo.name!r}: its local step '
+                     "ignores batch['mask'], so the ragged last batch would train on filler rows")
   if not 1 <= cfg.clients_per_round <= num_clients:
     raise ValueError(f'clients_per_round = {cfg.clients_per_round} is invalid: must be in '
                      f'[1, num_clients={num_clients}]')
@@ -105,22 +122,23 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   `round_key` should be `rng.round_key(root_key, round_idx)`; everything random in the round derives
   from it. The incoming state's buffers are donated (no second copy of the stacked client state).
   """
-  validate(cfg, num_clients)
+  validate(cfg, num_clients, algo)
   strategy = strategies.resolve_strategy(cfg.strategy)
   per_client = client_round_fn(algo, cfg)
   m = cfg.clients_per_round
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids = sample_participants(key, data.num_clients, m)
-    msg = algo.broadcast(state.server)
+    server = _prepare(algo, state, data, ids, key)
+    msg = algo.broadcast(server)
     lr = cfg.lr_fn(state.round)
     sel = jax.tree_util.tree_map(lambda a: a[ids], state.clients)
     ckeys = jax.vmap(lambda c: rng.client_key(key, c))(ids)
     n_sel = data.n[ids]
     new_sel, payloads, losses = strategies.map_clients(
-        per_client, (sel, data.x[ids], data.y[ids], n_sel, ckeys), (msg, lr),
+        per_client, (sel, data.x[ids], data.y[ids], n_sel, ckeys, ids), (msg, lr),
         strategy=strategy, chunk_size=cfg.map_chunk_size)
-    return _finish_round(algo, state, ids, n_sel, new_sel, payloads, losses, lr)
+    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
 
   return jax.jit(round_step, donate_argnums=(0,) if donate else ())
 
@@ -131,11 +149,12 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
   @jax.jit
   def prepare(state, data, key):
     ids = sample_participants(key, data.num_clients, cfg.clients_per_round)
-    return ids, algo.broadcast(state.server), cfg.lr_fn(state.round)
+    server = _prepare(algo, state, data, ids, key)
+    return ids, server, algo.broadcast(server), cfg.lr_fn(state.round)
 
   @jax.jit
-  def finish(state, ids, n_sel, new_sel, payloads, losses, lr):
-    return _finish_round(algo, state, ids, n_sel, new_sel, payloads, losses, lr)
+  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr):
+    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
 
   return prepare, finish
 
@@ -143,31 +162,32 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
 def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
   """Same round, clients one at a time from Python: one jitted call per participant, then a jitted
   aggregation. Used as the benchmark baseline (the FedJAX `for_each_client` / PyTorch-loop way)."""
-  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
+  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
   per_client = jax.jit(client_round_fn(algo, cfg))
   prepare, finish = _loop_prepare_finish(algo, cfg)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
-    ids, msg, lr = prepare(state, data, key)
+    ids, server, msg, lr = prepare(state, data, key)
     outs = []
     for cid in [int(i) for i in ids]:
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
       outs.append(per_client(client, data.x[cid], data.y[cid], data.n[cid],
-                             rng.client_key(key, cid), msg, lr))
+                             rng.client_key(key, cid), jnp.int32(cid), msg, lr))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, ids, data.n[ids], *stacked, lr)
+    return finish(state, server, ids, data.n[ids], *stacked, lr)
 
   return round_step
 
 
 def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
   """Same round, the FedJAX `for_each_client` way: for each participant a jitted `begin`, then a
-  Python loop over its real local steps (E * max(n // B, 1)), each batch gathered from host memory
+  Python loop over its real local steps (E * steps_per_epoch(n)), each batch gathered from host memory
   with numpy and passed to one jitted step call, then a jitted `end`/`upload`; a jitted aggregation
   last. Batches and keys are those of `local.train_client`, so the numbers are the same."""
-  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients)
+  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
   bsz, epochs = cfg.batch_size, cfg.local_epochs
   prepare, finish = _loop_prepare_finish(algo, cfg)
+  personalize = jax.jit(algo.personalize or (lambda msg, cid: msg))
 
   @functools.partial(jax.jit, static_argnames='n_max')
   def begin(client, msg, ckey, n, n_max):
@@ -175,8 +195,8 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
     return algo.begin(client, msg, rng.begin_key(ckey)), perms
 
   @jax.jit
-  def step(client, x, y, ckey, s, msg, lr):
-    return algo.local_step(client, {'x': x, 'y': y}, rng.step_key(ckey, s), msg, lr)
+  def step(client, batch, ckey, s, msg, lr):
+    return algo.local_step(client, batch, rng.step_key(ckey, s), msg, lr)
 
   @jax.jit
   def end(start, trained, msg):
@@ -184,23 +204,28 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
     return trained, algo.upload(trained)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
-    ids, msg, lr = prepare(state, data, key)
+    ids, server, msg_all, lr = prepare(state, data, key)
     x_host, y_host, n_host = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
     outs = []
     for cid in [int(i) for i in ids]:
+      msg = personalize(msg_all, jnp.int32(cid))
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
       ckey, n = rng.client_key(key, cid), int(n_host[cid])
       start, perms = begin(client, msg, ckey, n_host[cid], n_max=data.x.shape[1])
       perms = np.asarray(perms)
-      spe = max(n // bsz, 1)
+      spe = int(local.steps_per_epoch(n, bsz, cfg.drop_last))
       trained, losses = start, []
       for s in range(epochs * spe):
-        idx = perms[s // spe, ((s % spe) * bsz + np.arange(bsz)) % n]
-        trained, loss = step(trained, x_host[cid, idx], y_host[cid, idx], ckey, s, msg, lr)
+        pos = (s % spe) * bsz + np.arange(bsz)
+        idx = perms[s // spe, pos % n]
+        batch = {'x': x_host[cid, idx], 'y': y_host[cid, idx]}
+        if not cfg.drop_last:
+          batch['mask'] = pos < n
+        trained, loss = step(trained, batch, ckey, s, msg, lr)
         losses.append(loss)
       trained, payload = end(start, trained, msg)
       outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, ids, data.n[ids], *stacked, lr)
+    return finish(state, server, ids, data.n[ids], *stacked, lr)
 
   return round_step

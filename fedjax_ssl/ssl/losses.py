@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_ssl.ops.correlation import norm_clip
+
 # F.normalize's default: the norm is clamped from below at eps, so an all-zero row maps to zero (no NaN).
 _NORM_EPS = 1e-12
 
@@ -120,47 +122,13 @@ def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float, zero_diagonal: boo
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, positive))
 
 
-def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
-  """FedSC NormClip: z_b * min(1, sqrt_mu / ||z_b||) per row; the gradient flows through the rescaling.
-
-  Matches the code's `z if ||z|| < sqrt_mu else sqrt_mu * z / ||z||` (FedSC official code; paper Alg. 2). Afterwards
-  ||z_b z_bᵀ||_F = ||z_b||² <= mu.
-
-  Args:
-    z: float [B, H].
-    sqrt_mu: clipping radius sqrt(mu), > 0.
-  Returns:
-    float [B, H].
-  """
-  _check_concrete_positive('sqrt_mu', sqrt_mu)
-  z = _as_float(z)
-  sq = _safe_sq_norm(z)
-  return jnp.where(sq < sqrt_mu ** 2, z, sqrt_mu * z * jax.lax.rsqrt(sq))
-
-
-def correlation_matrices(z0: jax.Array, z1: jax.Array) -> Tuple[jax.Array, jax.Array]:
-  """Mini-batch correlation estimators of FedSC (ICML 2024, §5.2) with two views (V = 1), rows are samples.
-
-  Args:
-    z0, z1: float [B, H], representations of the two views of the same B images.
-  Returns:
-    R_hat = (z0ᵀz0 + z1ᵀz1) / (2B), float [H, H] (estimates R_j);
-    R_plus_hat = (z0ᵀz1 + z1ᵀz0) / (2B), float [H, H] (estimates R⁺_j; Tr = (1/B) Σ_b z0_b·z1_b).
-  """
-  _check_same_2d(('z0', 'z1'), z0, z1)
-  z0, z1 = _as_float(z0), _as_float(z1)
-  two_b = 2 * jnp.shape(z0)[0]
-  r_hat = (z0.T @ z0 + z1.T @ z1) / two_b
-  r_plus_hat = (z0.T @ z1 + z1.T @ z0) / two_b
-  return r_hat, r_plus_hat
-
-
 def spectral_contrastive_loss(z0: jax.Array,
                               z1: jax.Array,
                               *,
                               alpha: float = 1.0,
                               r_global: Optional[jax.Array] = None,
-                              mu: Optional[float] = None) -> jax.Array:
+                              mu: Optional[float] = None,
+                              mask: Optional[jax.Array] = None) -> jax.Array:
   """FedSC spectral contrastive batch loss exactly as implemented (FedSC official code, `Client_SPECshare.loss`).
 
       (optional) z_v <- NormClip(z_v, sqrt(mu))
@@ -177,6 +145,8 @@ def spectral_contrastive_loss(z0: jax.Array,
     alpha: weight of the intra-client contrast term (FedSC: alpha_t = 1 - 0.8 t / T).
     r_global: float [H, H], the received R̃_{-j} (treated as a constant: gradients are stopped), or None.
     mu: NormClip level (rows clipped to norm sqrt(mu)), > 0, or None for no clipping.
+    mask: optional bool [B]: only True rows count and B is their number (FedSC's ragged last batch,
+      `drop_last=False`: the loss uses the real batch size).
   Returns:
     scalar.
   """
@@ -189,6 +159,9 @@ def spectral_contrastive_loss(z0: jax.Array,
     z0, z1 = norm_clip(z0, jnp.sqrt(mu)), norm_clip(z1, jnp.sqrt(mu))
   z0, z1 = _as_float(z0), _as_float(z1)
   b = jnp.shape(z0)[0]
+  if mask is not None:
+    m = mask[:, None].astype(z0.dtype)
+    z0, z1, b = z0 * m, z1 * m, jnp.sum(m)
   posloss = -2.0 / b * jnp.sum(z1 * z0)
   r_hat = (z1.T @ z1 + z0.T @ z0) / (2 * b)
   frob_sq = jnp.sum(r_hat * r_hat)

@@ -1,0 +1,209 @@
+"""FedSC (Jing et al., "FedSC: Provable Federated Self-supervised Learning with Spectral Contrastive
+Objective over Non-i.i.d. Data", ICML 2024): spectral contrastive local training with an
+inter-client term built from the other clients' shared, optionally DP-noised, correlation matrices.
+
+Round t (1-indexed; decisions in BUILD_NOTES "FedSC"):
+  prepare      if t is a share round, the uploaders (every client at the first share round, as
+               Alg. 1's t = 1 branch; the round's participants afterwards) compute DP-CalR (Alg. 2)
+               on the global model: `calr_views` augmented views of each of their examples through
+               the encoder + projector in inference mode, NormClip(sqrt(mu)), the mean of ž žᵀ, plus
+               i.i.d. N(0, sigma²) on all H² entries from the client's own key. The server keeps the
+               latest matrix of every client (stale for the others) and counts its shares.
+  personalize  participant j receives alpha_t and R̃_{-j} = Σ_{k≠j} q_k R̃_k / (1 - q_j); before the
+               first share it trains the local SC loss (alpha = 1, no inter-client term).
+  local        SC batch loss in the code's scale (ssl_client 'sc'), optimiser reset every round.
+  aggregate    uniform mean of the participants' encoder + projector (Alg. 1; BN statistics too).
+
+FedAvg+SC is `share=False`: the same loop without matrices (alpha = 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_ssl.algorithms import fedavg, ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
+from fedjax_ssl.core import rng
+from fedjax_ssl.data import augment
+from fedjax_ssl.ops import correlation, privacy
+
+SHARE_WEIGHTS = ('uniform', 'data')
+ALPHA_SCHEDULES = ('linear', 'q')
+# fold_in tags under a client's round key; the training streams use 0, 1, 2 (core/rng.py), so
+# DP-CalR's views and noise never reuse a training draw.
+CALR_STREAM = 0xCA1
+NOISE_STREAM = 0xD9
+
+
+def alpha_at(t: jax.Array, num_rounds: int, alpha_start: float, alpha_end: float) -> jax.Array:
+  """alpha_t = alpha_start + (alpha_end - alpha_start) (t - 1) / T for round t = 1..T (App. C:
+  1 -> 0.2 linearly; the code's 1 - 0.8 t / T with t = 0..T-1)."""
+  frac = (jnp.asarray(t, jnp.float32) - 1.0) / num_rounds
+  return alpha_start + (alpha_end - alpha_start) * frac
+
+
+def is_share_round(t, share_start: int, share_every: int):
+  """Table 6's schedules: clients share in round t (1-indexed) iff t > share_start and
+  t % share_every == 0 (share_start 0, share_every 1: every round)."""
+  return (t > share_start) & (t % share_every == 0)
+
+
+def share_weights(n: jax.Array, kind: str) -> jax.Array:
+  """q [J]: 'uniform' 1/J (the code, A6) or 'data' |D_j| / |D| (the paper's q_j)."""
+  if kind == 'uniform':
+    return jnp.full(n.shape, 1.0 / n.shape[0], jnp.float32)
+  return n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+
+
+def calr_matrix(spec: ssl_client.ClientSpec, variables, x: jax.Array, n: jax.Array,
+                key: jax.Array, *, views: int, chunk: int, sqrt_mu: Optional[float]) -> jax.Array:
+  """DP-CalR before the noise (Alg. 2) for one client: (1 / (V n)) Σ_{b<n} Σ_v ž_{b,v} ž_{b,v}ᵀ.
+
+  Args:
+    spec: the client spec (model, augmentation, normalisation).
+    variables: {'params', 'batch_stats'} of the global encoder + projector.
+    x: uint8 [n_max, H, W, C], the client's rows (the first n are real).
+    n: int32 scalar.
+    key: the client's DP-CalR key.
+    views: V augmented views per example (the code: 5 passes x 2 views = 10).
+    chunk: examples per forward pass (memory only; the result does not depend on it).
+    sqrt_mu: NormClip radius, or None.
+  Returns:
+    float [H, H], symmetric PSD.
+  """
+  n_max = x.shape[0]
+  num_chunks = -(-n_max // chunk)
+
+  def forward(c, v):
+    rows = c * chunk + jnp.arange(chunk)
+    valid = rows < n
+    k = jax.random.fold_in(jax.random.fold_in(key, c), v)
+    img = augment.normalize(augment.augment_batch(k, x[jnp.minimum(rows, n_max - 1)], spec.aug),
+                            spec.mean, spec.std)
+    z = spec.model.apply(variables, img, train=False, with_predictor=False)['z']
+    return correlation.view_sum_correlation(z[None], sqrt_mu, valid)
+
+  def body(acc, i):
+    return acc + forward(i // views, i % views), None
+
+  shape = jax.eval_shape(lambda: forward(0, 0))
+  acc, _ = jax.lax.scan(body, jnp.zeros(shape.shape, shape.dtype), jnp.arange(num_chunks * views))
+  return acc / (views * n).astype(acc.dtype)
+
+
+def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
+         share_start: int = 0, share_every: int = 1, alpha_schedule: str = 'linear',
+         alpha_start: float = 1.0, alpha_end: float = 0.2, matrix_weights: str = 'uniform',
+         model_weights: str = 'uniform', sigma: float = 0.0, calr_views: int = 10,
+         calr_batch: int = 256, mu: Optional[float] = None,
+         ledger: Optional[privacy.PrivacyLedger] = None) -> Algorithm:
+  """FedSC over an 'sc' client spec.
+
+  Args:
+    spec: ClientSpec with method 'sc' (spec.sc_mu clips inside the training loss, A4).
+    num_rounds: T, for the alpha schedule.
+    share: False gives FedAvg+SC (no matrices, alpha = 1).
+    share_start, share_every: the share-round schedule (`is_share_round`).
+    alpha_schedule: 'linear' (alpha_start -> alpha_end over the rounds, App. C) or 'q' (alpha_j =
+      q_j, Eq. 5, the setting of the gradient-alignment theorem).
+    matrix_weights, model_weights: 'uniform' or 'data' (see `share_weights`).
+    sigma: DP noise std on every uploaded entry (0 = no DP, A24).
+    calr_views, calr_batch: DP-CalR's views per example and examples per forward pass.
+    mu: DP-CalR's NormClip level (None = no clip).
+    ledger: privacy ledger whose epsilon is reported after every round (`host_metrics`).
+  """
+  if spec.method != 'sc':
+    raise ValueError(f"FedSC needs the spectral contrastive client (method 'sc'), got "
+                     f'{spec.method!r}')
+  for name, value, allowed in (('matrix_weights', matrix_weights, SHARE_WEIGHTS),
+                               ('model_weights', model_weights, SHARE_WEIGHTS),
+                               ('alpha_schedule', alpha_schedule, ALPHA_SCHEDULES)):
+    if value not in allowed:
+      raise ValueError(f'{name} = {value!r} is invalid: must be one of {allowed}')
+  names = ssl_client.SHARED_MODULES['sc']
+  sqrt_mu = None if mu is None else float(np.sqrt(mu))
+  h = spec.model.projector.out
+
+  def init(key, num_clients):
+    client = ssl_client.init_client(spec, key)
+    server = {'model': fedavg.shared_subset(spec, client)}
+    if share:
+      if num_clients < 2:
+        raise ValueError(f'num_clients = {num_clients} is invalid for FedSC with sharing: '
+                         'R̃_{-j} needs at least one other client')
+      server.update(cov=jnp.zeros((num_clients, h, h), jnp.float32),
+                    shares=jnp.zeros((num_clients,), jnp.int32),
+                    q=jnp.full((num_clients,), 1.0 / num_clients, jnp.float32),
+                    alpha=jnp.ones((), jnp.float32))
+    return replicate(client, num_clients), server
+
+  def upload_matrix(server, data, cid, key):
+    ckey = jax.random.fold_in(rng.client_key(key, cid), CALR_STREAM)
+    r = calr_matrix(spec, server['model'], data.x[cid], data.n[cid], ckey, views=calr_views,
+                    chunk=calr_batch, sqrt_mu=sqrt_mu)
+    if sigma > 0:
+      r = privacy.add_noise(jax.random.fold_in(ckey, NOISE_STREAM), r, sigma)
+    return r.astype(server['cov'].dtype)
+
+  def prepare(server, data, ids, round_idx, key):
+    t = round_idx + 1
+    cov, shares = server['cov'], server['shares']
+    upload = lambda cids: jax.lax.map(lambda c: upload_matrix(server, data, c, key), cids)
+
+    def nobody():
+      return cov, shares
+
+    def everyone():  # the first share round: Alg. 1's all-clients branch
+      return upload(jnp.arange(cov.shape[0])), shares + 1
+
+    def participants():
+      return cov.at[ids].set(upload(ids)), shares.at[ids].add(1)
+
+    branch = jnp.where(is_share_round(t, share_start, share_every),
+                       jnp.where(jnp.any(shares > 0), 2, 1), 0)
+    cov, shares = jax.lax.switch(branch, (nobody, everyone, participants))
+    # Cast to the state's own dtypes, so a float64 state (x64) stays float64.
+    return dict(server, cov=cov, shares=shares,
+                q=share_weights(data.n, matrix_weights).astype(server['q'].dtype),
+                alpha=alpha_at(t, num_rounds, alpha_start, alpha_end).astype(server['alpha'].dtype))
+
+  def personalize(msg, cid):
+    has = jnp.any(msg['shares'] > 0)
+    q = msg['q'].astype(msg['cov'].dtype)
+    total = correlation.weighted_sum(msg['cov'], q)
+    r_other = correlation.leave_one_out(total, msg['cov'][cid], q[cid])
+    alpha = msg['alpha'] if alpha_schedule == 'linear' else msg['q'][cid]
+    return {'model': msg['model'], 'alpha': jnp.where(has, alpha, 1.0),
+            'r_other': jnp.where(has, r_other, 0.0)}
+
+  def begin(client, msg, key):
+    del key
+    return fedavg.adopt_global(spec, ssl_client.begin_round(spec, client), msg['model'], names)
+
+  def local_step(client, batch, key, msg, lr):
+    shared = (msg['alpha'], msg['r_other']) if share else None
+    return ssl_client.local_step(spec, client, batch, key, msg, lr, sc_shared=shared)
+
+  def aggregate(server, payloads, weights):
+    if model_weights == 'uniform':
+      weights = jnp.full_like(weights, 1.0 / weights.shape[0])
+    return dict(server, model=weighted_mean(payloads, weights))
+
+  def host_metrics(state):
+    shares = np.asarray(state.server['shares'])
+    return {'epsilon': ledger.max_epsilon(shares), 'shares_max': float(shares.max())}
+
+  return Algorithm(
+      name='fedsc' if share else 'fedavg_sc', init=init,
+      broadcast=lambda server: server if share else {'model': server['model']},
+      begin=begin, local_step=local_step, end=lambda start, client, msg: client,
+      upload=lambda client: fedavg.shared_subset(spec, client), aggregate=aggregate,
+      eval_variables=lambda state: (state.server['model'], False),
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+      prepare=prepare if share else None, personalize=personalize if share else None,
+      host_metrics=host_metrics if (share and ledger is not None) else None,
+      ragged_batches=True)
