@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags
 import jax
+import numpy as np
 from ml_collections import config_flags
 
 from fedjax_ssl import checkpoint, experiment, logging_utils, plotting
@@ -99,7 +100,13 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
   fed_data, info = experiment.build_fed_data(config, dataset)
   say(_data_summary(config, dataset) + '\n' +
       partition.format_histogram(info['histogram']))
-  algo = experiment.build_algorithm(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  privacy_summary = experiment.privacy_plan(config, np.asarray(fed_data.n))[2]
+  if privacy_summary:
+    say(f'DP-CalR: sigma {privacy_summary["sigma"]:.4g}, planned epsilon '
+        f'{privacy_summary["planned_epsilon"]:.3f} (delta {privacy_summary["delta"]}, '
+        f'{privacy_summary["accountant"]}, {privacy_summary["adjacency"]}, up to '
+        f'{privacy_summary["planned_shares_max"]} shares per client)')
   round_step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
   devices = jax.device_count()
   say(f'{algo.name} / {config.ssl_method}, {config.encoder} encoder, {config.rounds} '
@@ -107,7 +114,7 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
       f'device{"s" if devices > 1 else ""}), strategy '
       f'{strategies.resolve_strategy(config.strategy)!r}')
 
-  init_key, run_key = jax.random.split(jax.random.PRNGKey(config.seed))
+  init_key, run_key = experiment.run_keys(config)
   state = rd.init_state(algo, init_key, config.num_clients)
 
   random_init_path = workdir / 'random_init.json'
@@ -144,6 +151,8 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
   for r in range(start, config.rounds):
     state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
     record = {k: float(v) for k, v in metrics.items()}
+    if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
+      record.update(algo.host_metrics(state))
     evaluated = True
     if r + 1 == config.rounds:
       final = experiment.evaluate(config, algo, state, dataset)
@@ -168,10 +177,14 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
 
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
     final = experiment.evaluate(config, algo, state, dataset)
+  if algo.host_metrics is not None:
+    final.update(algo.host_metrics(state))
   writer.close()
   ckpt.close()
   results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if privacy_summary:
+    results['privacy'] = dict(privacy_summary, epsilon=final['epsilon'])
   _write_json(workdir / 'results.json', results)
 
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))

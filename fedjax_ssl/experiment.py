@@ -28,16 +28,17 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import eval as fs_eval
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import fedavg, fedema, fedu, fedu2, independent, ssl_client
+from fedjax_ssl.algorithms import fedavg, fedema, fedsc, fedu, fedu2, independent, ssl_client
 from fedjax_ssl.algorithms.base import Algorithm
-from fedjax_ssl.core import optim, strategies
+from fedjax_ssl.core import optim, rng, strategies
+from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data import augment, partition, sources
 from fedjax_ssl.data.types import Dataset, FedData
-from fedjax_ssl.ops import min_norm, uot
+from fedjax_ssl.ops import min_norm, privacy, uot
 
-ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'independent', 'centralized')
+ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'independent', 'centralized')
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 
@@ -57,8 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.classes_per_client = 2        # 'classes' partition
   c.public_size = 0               # public / RAD set carved out before partitioning
   # Method.
-  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | independent | centralized
-  c.ssl_method = 'byol'           # byol | simsiam | simclr | supervised
+  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | fedsc | independent | centralized
+  c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
   c.heads = 'easyfl'              # a models.HEAD_PRESETS name or 'custom'
@@ -76,11 +77,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.autoscaler_tau = 0.7          # FedEMA
   c.independent_init = True       # independent: per-client random init
   c.fedu2 = fedu2_config()
+  c.fedsc = fedsc_config()
+  c.sc_mu = 4.0                   # 'sc': NormClip level mu in the SC loss and FedSC's DP-CalR (0 = off)
   # Federation and optimisation.
   c.rounds = 100
   c.clients_per_round = 10
   c.local_epochs = 5
   c.batch_size = 128
+  c.drop_last = True              # False: keep each epoch's ragged last batch ('sc' only)
   c.optimizer = 'sgd'             # sgd | adam
   c.lr = 0.032
   c.momentum = 0.9
@@ -149,6 +153,139 @@ def _validate_fedu2(config: ml_collections.ConfigDict) -> None:
   cv.check_int_range('fedu2.uot_iters', f.uot_iters, 1, 1_000_000)
   cv.check_int_range('fedu2.swd_projections', f.swd_projections, 1, 1_000_000)
   cv.check_int_range('fedu2.solver_iters', f.solver_iters, 0, 10_000_000)
+
+
+def fedsc_config() -> ml_collections.ConfigDict:
+  """FedSC's keys (algorithm = 'fedsc', ssl_method = 'sc'); defaults follow BUILD_NOTES "FedSC"."""
+  f = ml_collections.ConfigDict()
+  f.share = True                  # False: FedAvg+SC (no correlation matrices, alpha = 1)
+  f.share_start = 0               # share in round t (1-indexed) iff t > share_start ...
+  f.share_every = 1               # ... and t % share_every == 0 (Table 6: 100/1, 150/1, 100/2)
+  f.alpha_schedule = 'linear'     # linear alpha_start -> alpha_end (App. C) | q (alpha_j = q_j, Eq. 5)
+  f.alpha_start = 1.0
+  f.alpha_end = 0.2
+  f.matrix_weights = 'uniform'    # q_j of R̃: uniform 1/J (code) | data |D_j|/|D| (paper)
+  f.model_weights = 'uniform'     # model average over participants: uniform (Alg. 1) | data
+  f.calr_views = 10               # DP-CalR views per example (code: 5 passes x 2)
+  f.calr_batch = 256              # DP-CalR examples per forward pass (memory only)
+  f.paper_scale = False           # True: the paper's 1/2-scaled loss (code scale = 2x, A3)
+  # Differential privacy of the uploaded matrices (DP-CalR).
+  f.dp = False
+  f.sigma = 0.0                   # noise std; 0 with dp = calibrate to target_epsilon
+  f.target_epsilon = 0.0          # > 0: refuse a run whose ledger would exceed it
+  f.delta = 1e-2
+  f.adjacency = 'replace_one'     # replace_one sqrt(2) mu/|D_j| | zero_out mu/|D_j| (paper proof)
+  f.accountant = 'rdp'            # rdp (dp-accounting) | closed_form (paper Prop. 6.6)
+  f.sigma_partial = 'none'        # sigma under partial participation: none | linear (code) | sqrt
+  return f
+
+
+def _validate_fedsc(config: ml_collections.ConfigDict) -> None:
+  f = config.fedsc
+  if config.ssl_method != 'sc':
+    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
+                         "'fedsc': must be 'sc' (the spectral contrastive loss)")
+  if f.share and config.num_clients < 2:
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for FedSC with '
+                         'fedsc.share = True: R̃_{-j} needs at least 2 clients')
+  cv.check_choice('fedsc.alpha_schedule', f.alpha_schedule, fedsc.ALPHA_SCHEDULES)
+  cv.check_choice('fedsc.matrix_weights', f.matrix_weights, fedsc.SHARE_WEIGHTS)
+  cv.check_choice('fedsc.model_weights', f.model_weights, fedsc.SHARE_WEIGHTS)
+  cv.check_choice('fedsc.adjacency', f.adjacency, privacy.ADJACENCIES)
+  cv.check_choice('fedsc.accountant', f.accountant, privacy.ACCOUNTANTS)
+  cv.check_choice('fedsc.sigma_partial', f.sigma_partial, privacy.PARTIAL_RULES)
+  cv.check_int_range('fedsc.share_start', f.share_start, 0, None)
+  cv.check_int_range('fedsc.share_every', f.share_every, 1, None)
+  cv.check_int_range('fedsc.calr_views', f.calr_views, 1, 10_000)
+  cv.check_int_range('fedsc.calr_batch', f.calr_batch, 1, 10_000_000)
+  for key in ('alpha_start', 'alpha_end'):
+    cv.check_float_range(f'fedsc.{key}', f[key], 0.0, 1.0)
+  cv.check_float_range('fedsc.sigma', f.sigma, 0.0, None)
+  cv.check_float_range('fedsc.target_epsilon', f.target_epsilon, 0.0, None)
+  cv.check_float_range('fedsc.delta', f.delta, 0.0, 1.0, inclusive=(False, False))
+  if f.dp and not f.share:
+    raise cv.ConfigError('config.fedsc.dp = True is invalid with fedsc.share = False: DP-CalR '
+                         'noises the shared matrices, and nothing is shared')
+  if f.dp and not config.sc_mu > 0:
+    raise cv.ConfigError(f'config.sc_mu = {config.sc_mu!r} is invalid with fedsc.dp = True: the '
+                         'sensitivity of a matrix is bounded only through NormClip, need sc_mu > 0')
+  if f.dp and f.sigma == 0 and f.target_epsilon == 0:
+    raise cv.ConfigError('config.fedsc.dp = True needs fedsc.sigma > 0 (a noise level) or '
+                         'fedsc.target_epsilon > 0 (sigma calibrated to it); both are 0')
+  if not f.dp and (f.sigma or f.target_epsilon):
+    raise cv.ConfigError(f'config.fedsc.sigma = {f.sigma!r} / fedsc.target_epsilon = '
+                         f'{f.target_epsilon!r} are set but fedsc.dp = False: set fedsc.dp = True '
+                         'or leave both 0')
+
+
+def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
+  """(init_key, run_key) of a run: the model init and every round's randomness
+  (round r uses rng.round_key(run_key, r))."""
+  init_key, run_key = jax.random.split(jax.random.PRNGKey(config.seed))
+  return init_key, run_key
+
+
+def planned_shares(config: ml_collections.ConfigDict) -> np.ndarray:
+  """int [J]: how many matrices each client will upload in the whole run (FedSC).
+
+  Participants are a pure function of the run key, so the share count of every client is known
+  before training: everyone at the first share round, then the sampled clients of each later
+  share round. The privacy check and calibration use these exact counts, not an expectation.
+  """
+  f, num_clients = config.fedsc, config.num_clients
+  t = np.arange(1, config.rounds + 1)
+  share = np.asarray(fedsc.is_share_round(t, f.share_start, f.share_every))
+  counts = np.zeros(num_clients, np.int64)
+  if not share.any():
+    return counts
+  first = int(np.argmax(share))
+  counts += 1
+  later = np.flatnonzero(share[first + 1:]) + first + 1
+  if len(later):
+    run_key = run_keys(config)[1]
+    ids = jax.vmap(lambda r: rd.sample_participants(rng.round_key(run_key, r), num_clients,
+                                                    config.clients_per_round))(jnp.asarray(later))
+    np.add.at(counts, np.asarray(ids).ravel(), 1)
+  return counts
+
+
+def privacy_plan(config: ml_collections.ConfigDict, client_sizes: np.ndarray
+                 ) -> Tuple[float, Optional[privacy.PrivacyLedger], Dict[str, Any]]:
+  """FedSC's noise level, its ledger and the run's planned privacy, before any training.
+
+  sigma = fedsc.sigma (scaled by fedsc.sigma_partial under partial participation) or, when it is
+  0, the smallest sigma whose planned epsilon meets fedsc.target_epsilon for every client. Raises
+  ConfigError when a target is set and the schedule cannot meet it with the given sigma.
+
+  Returns:
+    (sigma, ledger or None without DP, summary dict for results.json).
+  """
+  f = config.fedsc
+  if config.algorithm != 'fedsc' or not (f.share and f.dp):
+    return 0.0, None, {}
+  sizes = np.asarray(client_sizes)
+  shares = planned_shares(config)
+  sens = [privacy.sensitivity(config.sc_mu, int(n), f.adjacency) for n in sizes]
+  if f.sigma > 0:
+    sigma = privacy.sigma_for_participation(f.sigma, config.clients_per_round, config.num_clients,
+                                            f.sigma_partial)
+  else:
+    sigma = max(privacy.calibrate_sigma(f.target_epsilon, f.delta, w, int(s), f.accountant)
+                for w, s in zip(sens, shares))
+  ledger = privacy.PrivacyLedger(sizes, config.sc_mu, sigma, f.delta, f.adjacency, f.accountant)
+  planned = ledger.max_epsilon(shares)
+  if f.target_epsilon > 0 and planned > f.target_epsilon:
+    raise cv.ConfigError(
+        f'config.fedsc.target_epsilon = {f.target_epsilon!r} cannot be met: with fedsc.sigma = '
+        f'{f.sigma!r} (sigma_partial {f.sigma_partial!r} -> {sigma:.4g}), the schedule '
+        f'(share_start {f.share_start}, share_every {f.share_every}, {config.rounds} rounds, '
+        f'{config.clients_per_round}/{config.num_clients} clients per round) makes a client share '
+        f'up to {int(shares.max())} times, and the {f.accountant} ledger (delta {f.delta}, '
+        f'{f.adjacency}, |D_j| >= {int(sizes.min())}) gives epsilon = {planned:.3f}. Raise '
+        'fedsc.sigma, share less, or set fedsc.sigma = 0 to calibrate it to the target')
+  summary = {'sigma': sigma, 'planned_epsilon': planned, 'planned_shares_max': int(shares.max()),
+             'delta': f.delta, 'adjacency': f.adjacency, 'accountant': f.accountant}
+  return sigma, ledger, summary
 
 
 def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
@@ -226,6 +363,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                          f'{config.algorithm!r}: must be one of {fedu.METHODS} (needs a predictor)')
   if config.algorithm == 'fedu2':
     _validate_fedu2(config)
+  if config.algorithm == 'fedsc':
+    _validate_fedsc(config)
+  cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
+  if not config.drop_last and config.ssl_method != 'sc':
+    raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '
+                         f"{config.ssl_method!r}: only the 'sc' loss honours the ragged last "
+                         "batch's mask")
   if config.heads == 'custom':
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
@@ -476,11 +620,27 @@ def client_spec(config: ml_collections.ConfigDict, dataset: Dataset) -> ssl_clie
       input_shape=(h, w, c), temperature=config.temperature,
       nt_xent_zero_diagonal=config.nt_xent_zero_diagonal, ema_tau=config.ema_tau,
       reset_optimizer=config.reset_optimizer,
-      feature_regularizer=fur_regularizer(config.fedu2) if config.algorithm == 'fedu2' else None)
+      feature_regularizer=fur_regularizer(config.fedu2) if config.algorithm == 'fedu2' else None,
+      sc_mu=float(config.sc_mu) or None,
+      sc_scale=0.5 if config.algorithm == 'fedsc' and config.fedsc.paper_scale else 1.0)
 
 
-def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset) -> Algorithm:
+def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,
+                    client_sizes: Optional[np.ndarray] = None) -> Algorithm:
+  """The configured Algorithm. client_sizes (int [J], `fed_data.n`) is needed by FedSC with DP (its
+  noise level and privacy ledger depend on |D_j|); ConfigError if its target cannot be met."""
   spec = client_spec(config, dataset)
+  if config.algorithm == 'fedsc':
+    f = config.fedsc
+    if f.share and f.dp and client_sizes is None:
+      raise ValueError('FedSC with fedsc.dp = True needs client_sizes (fed_data.n) for its ledger')
+    sigma, ledger, _ = privacy_plan(config, client_sizes)
+    return fedsc.make(spec, num_rounds=config.rounds, share=f.share, share_start=f.share_start,
+                      share_every=f.share_every, alpha_schedule=f.alpha_schedule,
+                      alpha_start=f.alpha_start, alpha_end=f.alpha_end,
+                      matrix_weights=f.matrix_weights, model_weights=f.model_weights,
+                      sigma=sigma, calr_views=f.calr_views, calr_batch=f.calr_batch,
+                      mu=float(config.sc_mu) or None, ledger=ledger)
   if config.algorithm == 'fedavg':
     return fedavg.make(spec, byol_target_sync=config.byol_target_sync)
   if config.algorithm == 'centralized':
@@ -505,7 +665,8 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       clients_per_round=config.clients_per_round, local_epochs=config.local_epochs,
       batch_size=config.batch_size,
       lr_fn=lambda r: optim.round_lr(base_lr, schedule, r, rounds),
-      strategy=config.strategy, map_chunk_size=config.map_chunk_size)
+      strategy=config.strategy, map_chunk_size=config.map_chunk_size,
+      drop_last=bool(config.drop_last))
 
 
 def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: np.ndarray,
