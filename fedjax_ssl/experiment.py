@@ -407,6 +407,7 @@ CATALOG_INFO = {
     'cifar100': DatasetInfo('cifar100', 50_000, 10_000, (32, 32, 3), 100),
     'mnist': DatasetInfo('mnist', 60_000, 10_000, (28, 28, 1), 10),
     'fashion_mnist': DatasetInfo('fashion_mnist', 60_000, 10_000, (28, 28, 1), 10),
+    'svhn': DatasetInfo('svhn', 73_257, 26_032, (32, 32, 3), 10),
 }
 _ONE_SOURCE = ('synthetic', 'fashion_mnist_subset')
 

@@ -58,6 +58,9 @@ class Table:
     paper: (row, column, metric) -> the paper's number in percent; missing = not reported.
     scale: 'quick' | 'paper', the variant this Table was built for.
     notes: free text printed under the table (protocol, what differs from the paper).
+    cell_overrides: (row, column) -> overrides applied after the row's, for settings that depend
+      on both (FedSC's Table 6: each privacy level has its own noise and schedule per dataset).
+    skip: (row, column) pairs that are not run (a level the paper does not report there).
   """
   name: str
   title: str
@@ -68,10 +71,13 @@ class Table:
   paper: Mapping[Tuple[str, str, str], float] = dataclasses.field(default_factory=dict)
   scale: str = 'quick'
   notes: str = ''
+  cell_overrides: Mapping[Tuple[str, str], Mapping[str, Any]] = dataclasses.field(
+      default_factory=dict)
+  skip: frozenset = frozenset()
 
   def cells(self) -> List[Tuple[str, str]]:
-    """(row, column) pairs in display order."""
-    return [(r, c) for r in self.rows for c in self.columns]
+    """(row, column) pairs in display order, without the skipped ones."""
+    return [(r, c) for r in self.rows for c in self.columns if (r, c) not in self.skip]
 
 
 def slug(text: str) -> str:
@@ -99,6 +105,10 @@ def check_table(table: Table) -> None:
   if dup:
     raise cv.ConfigError(f'table {table.name!r}: cell names {dup} collide after slugging; '
                          'rename rows or columns')
+  for r, c in list(table.cell_overrides) + list(table.skip):
+    if r not in table.rows or c not in table.columns:
+      raise cv.ConfigError(f'table {table.name!r}: cell {(r, c)!r} in cell_overrides/skip names no '
+                           'row/column of the table')
   for (r, c, m), value in table.paper.items():
     if r not in table.rows or c not in table.columns or m not in table.metrics:
       raise cv.ConfigError(f'table {table.name!r}: paper entry {(r, c, m)!r} names no cell/metric '
@@ -126,14 +136,18 @@ def load_table(path: str, scale: str) -> Table:
 
 
 def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:
-  """base <- column overrides <- row overrides <- seed. Unknown keys raise cv.ConfigError.
+  """base <- column overrides <- row overrides <- cell overrides <- seed; unknown keys raise
+  cv.ConfigError.
 
-  A key may name a sub-config's entry with a dot ('fedu2.fur').
+  A key may name a sub-config's entry with a dot ('fedu2.fur'). Cell overrides come last.
   """
   config = ml_collections.ConfigDict(table.base.to_dict())
-  for what, overrides in (('column', table.columns[column]), ('row', table.rows[row])):
+  layers = (('column', table.columns[column]), ('row', table.rows[row]),
+            ('cell', table.cell_overrides.get((row, column), {})))
+  for what, overrides in layers:
     for key, value in overrides.items():
-      where = f'table {table.name!r}, {what} {row if what == "row" else column!r}'
+      name = {'column': repr(column), 'row': repr(row), 'cell': repr((row, column))}[what]
+      where = f'table {table.name!r}, {what} {name}'
       *parents, leaf = key.split('.')
       node = config
       for part in parents:
@@ -154,6 +168,8 @@ _UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
     'fedu2': lambda c: c.algorithm != 'fedu2',
+    'fedsc': lambda c: c.algorithm != 'fedsc',
+    'sc_mu': lambda c: c.ssl_method != 'sc',
 }
 
 

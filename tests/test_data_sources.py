@@ -109,11 +109,12 @@ def test_debian_fashion_mnist_is_the_auto_default():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('name,shape,num_classes', [
     ('cifar10', (32, 32, 3), 10), ('cifar100', (32, 32, 3), 100),
-    ('mnist', (28, 28, 1), 10), ('fashion_mnist', (28, 28, 1), 10)])
+    ('mnist', (28, 28, 1), 10), ('fashion_mnist', (28, 28, 1), 10), ('svhn', (32, 32, 3), 10)])
 def test_tfds_mock_loading(name, shape, num_classes):
   with tfds.testing.mock_data(num_examples=6):
     ds = sources.load_dataset(name, source='tfds', download=False)
-    reference = {split: tfds.data_source(name, split=split, download=False)
+    tfds_name = sources.TFDS_NAMES.get(name, name)   # svhn is tfds' 'svhn_cropped'
+    reference = {split: tfds.data_source(tfds_name, split=split, download=False)
                  for split in ('train', 'test')}
     ref = {split: [reference[split][i] for i in range(6)] for split in reference}
   assert ds.name == name and ds.num_classes == num_classes

@@ -5,7 +5,8 @@ per-channel mean/std of train_x / 255.
 
 Sources (`load_dataset(name, source=...)`):
   'tfds'  `tfds.data_source` (array_record files; works without TensorFlow) for cifar10, cifar100,
-          mnist, fashion_mnist.
+          mnist, fashion_mnist and svhn (tfds 'svhn_cropped': the 32x32 digits, train / test
+          splits, without 'extra').
   'idx'   the original MNIST / Fashion-MNIST IDX files in a directory (gzipped or not). Debian's
           `dataset-fashion-mnist` package installs them in /usr/share/datasets/fashion-mnist, the
           project's real offline default.
@@ -24,7 +25,9 @@ import numpy as np
 
 from fedjax_ssl.data.types import Dataset
 
-CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist')
+CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn')
+# Our name -> the tfds catalog's, where they differ.
+TFDS_NAMES = {'svhn': 'svhn_cropped'}
 NAMES = CATALOG_NAMES + ('synthetic', 'fashion_mnist_subset')
 SOURCES = ('auto', 'tfds', 'idx')
 IDX_NAMES = ('mnist', 'fashion_mnist')
@@ -248,7 +251,8 @@ def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
   splits = {}
   for split in ('train', 'test'):
-    ds = tfds.data_source(name, split=split, data_dir=data_dir, download=download)
+    ds = tfds.data_source(TFDS_NAMES.get(name, name), split=split, data_dir=data_dir,
+                          download=download)
     features = ds.dataset_info.features
     splits[split] = _read_split(ds, features['image'].shape)
     num_classes = features['label'].num_classes
