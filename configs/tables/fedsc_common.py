@@ -74,7 +74,9 @@ def quick_base():
   c.proj_hidden = 256
   c.proj_out = 128
   c.head_bn = False
-  c.batch_size = 128
+  # Batch 32: with 128 (8 steps per client and round) the SC loss sat on its collapse plateau
+  # (every z equal, loss -1) for all 6 rounds tried; 32 leaves it by round 5 (BUILD_NOTES "FedSC").
+  c.batch_size = 32
   c.sc_mu = 4.0
   c.rounds = 20
   c.local_epochs = 1
