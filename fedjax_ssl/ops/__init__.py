@@ -4,6 +4,10 @@
                FedU2 code's tangent-space sliced Wasserstein loss (`tangent_swd_loss`)
   min_norm.py  min over the simplex of p^T G p (`simplex_min_norm`: exact, ADMM, the printed ADMM)
 
-CKA (Hetero-SSFL), correlation matrices and DP accounting (FedSC) and prototypes (representation
-sharing) arrive with their methods.
+  correlation.py  FedSC's NormClip, multi-view correlation estimators (Eq. 33), a client's DP-CalR
+               accumulator and the server's weighted-sum / leave-one-out / replacement bookkeeping
+  privacy.py   DP-CalR's Gaussian noise and its privacy ledger on Google's dp-accounting
+               (`sensitivity`, `epsilon`, `calibrate_sigma`, `PrivacyLedger`)
+
+CKA (Hetero-SSFL) and prototypes (representation sharing) arrive with their methods.
 """
