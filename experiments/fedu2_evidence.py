@@ -68,8 +68,10 @@ def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
   if key not in datasets:
     datasets[key] = experiment.load_data(config)
   dataset = datasets[key]
-  algo = experiment.build_algorithm(config, dataset)
-  init_key, _ = jax.random.split(jax.random.PRNGKey(config.seed))
+  # The run's client sizes: FedSC's privacy plan (and so its algorithm) depends on them.
+  sizes = experiment.build_fed_data(config, dataset)[0].n
+  algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)
+  init_key, _ = experiment.run_keys(config)
   random_state = rd.init_state(algo, init_key, config.num_clients)
   with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
     _, trained, _ = ckpt.restore(random_state)

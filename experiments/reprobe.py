@@ -16,7 +16,6 @@ import json
 import pathlib
 
 from absl import flags
-import jax
 import ml_collections
 
 from fedjax_ssl import checkpoint, experiment, logging_utils
@@ -41,9 +40,11 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
   dataset = experiment.load_data(config)
   if not known_before_loading:
     experiment.check_data_config(config, experiment.DatasetInfo.of(dataset))
-  algo = experiment.build_algorithm(config, dataset)
+  # The run's client sizes: FedSC's privacy plan (and so its algorithm) depends on them.
+  sizes = experiment.build_fed_data(config, dataset)[0].n
+  algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)
   # The same init key as experiments.train, so this is the run's own random-init encoder.
-  init_key, _ = jax.random.split(jax.random.PRNGKey(config.seed))
+  init_key, _ = experiment.run_keys(config)
   random_state = rd.init_state(algo, init_key, config.num_clients)
   with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
     if ckpt.latest_round() is None:
