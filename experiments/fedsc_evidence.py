@@ -43,6 +43,7 @@ def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
     curve = [(r['round'], r['knn_acc']) for r in records if 'knn_acc' in r]
     for row, _ in run.cells:
       rows.setdefault(row, []).append({'seed': run.seed, 'final': results['final'],
+                                       'algorithm': results['algorithm'],
                                        'privacy': results.get('privacy', {}), 'knn_curve': curve})
   return rows
 
@@ -57,8 +58,10 @@ def summarize(rows: dict) -> list:
   """One dict per row: epsilon (max over seeds), sigma, accuracies mean +- std in percent."""
   out = []
   for row, runs in rows.items():
+    # FedAvg + SC shares no matrix: the mechanism never runs (epsilon None, shown as '–').
+    shares_nothing = runs[0]['algorithm'] == 'fedavg_sc'
     eps = [r['privacy'].get('epsilon', math.inf) for r in runs]
-    entry = {'row': row, 'n': len(runs), 'epsilon': max(eps),
+    entry = {'row': row, 'n': len(runs), 'epsilon': None if shares_nothing else max(eps),
              'sigma': runs[0]['privacy'].get('sigma', 0.0),
              'shares_max': runs[0]['final'].get('shares_max')}
     for metric in ('probe_acc', 'knn_acc', 'probe_std_acc'):
@@ -76,7 +79,8 @@ def markdown(summary: list, title: str) -> str:
   for e in summary:
     cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–'
              for m in ('probe_acc', 'knn_acc', 'probe_std_acc')]
-    eps = '∞' if math.isinf(e['epsilon']) else f'{e["epsilon"]:.3f}'
+    eps = ('– (shares nothing)' if e['epsilon'] is None else
+           '∞' if math.isinf(e['epsilon']) else f'{e["epsilon"]:.3f}')
     sigma = f'{e["sigma"]:.4g}' if e['sigma'] else '0'
     shares = '–' if e['shares_max'] is None else f'{int(e["shares_max"])}'
     lines.append(f'| {e["row"]} | {eps} | {sigma} | {shares} | ' + ' | '.join(cells) +
@@ -86,7 +90,8 @@ def markdown(summary: list, title: str) -> str:
 
 def plot_privacy_utility(summary: list, path: pathlib.Path) -> None:
   """Accuracy against epsilon; eps = inf drawn at 2x the largest finite epsilon."""
-  finite = [e['epsilon'] for e in summary if math.isfinite(e['epsilon'])]
+  finite = [e['epsilon'] for e in summary
+            if e['epsilon'] is not None and math.isfinite(e['epsilon'])]
   inf_x = 2 * max(finite) if finite else 1.0
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   for ax, metric, label in zip(axes, ('probe_acc', 'knn_acc'), ('linear probe (%)', 'kNN (%)')):
@@ -94,7 +99,7 @@ def plot_privacy_utility(summary: list, path: pathlib.Path) -> None:
       if metric not in e:
         continue
       mean, std = e[metric]
-      if e['row'].startswith('FedAvg'):
+      if e['epsilon'] is None:  # FedAvg + SC: the reference line
         ax.axhline(mean, color='gray', ls='--', label=e['row'])
         continue
       x = e['epsilon'] if math.isfinite(e['epsilon']) else inf_x
@@ -138,9 +143,10 @@ def main(argv):
     raise app.UsageError(f'no finished runs of {table.name} under {out}/runs')
   summary = summarize(rows)
   (out / 'privacy.md').write_text(markdown(summary, table.title))
-  # Strict JSON has no Infinity: a run without DP has epsilon null.
+  # Strict JSON has no Infinity: 'inf' for FedSC without DP, null for FedAvg + SC (no matrices).
   (out / 'privacy.json').write_text(json.dumps(
-      [dict(e, epsilon=e['epsilon'] if math.isfinite(e['epsilon']) else None) for e in summary],
+      [dict(e, epsilon=e['epsilon'] if e['epsilon'] is not None and math.isfinite(e['epsilon'])
+            else None if e['epsilon'] is None else 'inf') for e in summary],
       indent=2))
   plot_privacy_utility(summary, out / 'privacy_utility.png')
   plot_knn_rounds(rows, out / 'knn_rounds.png')

@@ -203,6 +203,15 @@ def _validate_fedsc(config: ml_collections.ConfigDict) -> None:
   cv.check_float_range('fedsc.sigma', f.sigma, 0.0, None)
   cv.check_float_range('fedsc.target_epsilon', f.target_epsilon, 0.0, None)
   cv.check_float_range('fedsc.delta', f.delta, 0.0, 1.0, inclusive=(False, False))
+  if f.share and not np.any(fedsc.is_share_round(np.arange(1, config.rounds + 1), f.share_start,
+                                                  f.share_every)):
+    raise cv.ConfigError(f'config.fedsc.share_start = {f.share_start} / share_every = '
+                         f'{f.share_every} leave no share round in {config.rounds} rounds: the run '
+                         'would be FedAvg+SC; set fedsc.share = False for that')
+  if f.dp and f.sigma == 0 and f.sigma_partial != 'none':
+    raise cv.ConfigError(f'config.fedsc.sigma_partial = {f.sigma_partial!r} is invalid when sigma is '
+                         "calibrated (fedsc.sigma = 0): the calibration already uses each client's "
+                         "exact shares; use 'none'")
   if f.dp and not f.share:
     raise cv.ConfigError('config.fedsc.dp = True is invalid with fedsc.share = False: DP-CalR '
                          'noises the shared matrices, and nothing is shared')

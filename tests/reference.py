@@ -88,12 +88,12 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
       order = np.argsort(np.where(np.arange(n_max) < n, u, 2.0), kind='stable')
       assert set(order[:n]) == set(range(n))
       shift = int(perturb == 'batch' and first and s == 0)
-      pos = j * batch_size + np.arange(batch_size) + shift
-      idx = order[pos % n]
+      epoch_pos = j * batch_size + np.arange(batch_size) + shift
+      idx = order[epoch_pos % n]
       step_key = rng.step_key(ckey, s + int(perturb == 'key' and first and s == 0))
       batch = {'x': x[data_cid][idx], 'y': y[data_cid][idx]}
       if not drop_last:
-        batch['mask'] = pos < n
+        batch['mask'] = epoch_pos < n
       client, loss = local_step(client, batch, step_key, msg, lr)
       step_losses.append(float(loss))
     client = algo.end(start, client, msg)
@@ -167,22 +167,21 @@ def numpy_eua(server, payloads, weights, *, direction, solver, server_lr, step, 
   return out
 
 
-def numpy_calr(spec, apply_fn, variables, x, n, key, *, views, chunk, mu):
-  """FedSC's DP-CalR matrix of one client (before noise), by loops: each chunk and view augmented
-  with the engine's keys and passed through `apply_fn` (-> z), then NormClip and the mean of ž žᵀ
-  over the real rows in numpy float64."""
+def numpy_calr(spec, apply_fn, augment_fn, variables, x, n, key, *, views, chunk, mu):
+  """FedSC's DP-CalR matrix of one client (before noise), by loops: each view of each real row
+  augmented with its own key fold_in(fold_in(key, v), row) (the engine's rule) and passed through
+  `apply_fn` (-> z) in chunks, then NormClip and the mean of ž žᵀ in numpy float64.
+  augment_fn(key, image) -> float image (jitted `augment.augment` with the spec's config)."""
   from fedjax_ssl.data import augment  # pylint: disable=g-import-not-at-top
-  n_max = x.shape[0]
   acc = 0.0
-  for c in range(-(-n_max // chunk)):
-    rows = c * chunk + np.arange(chunk)
+  for start in range(0, n, chunk):
+    rows = range(start, min(n, start + chunk))
     for v in range(views):
-      k = jax.random.fold_in(jax.random.fold_in(key, c), v)
-      img = augment.normalize(augment.augment_batch(k, jnp.asarray(x[np.minimum(rows, n_max - 1)]),
-                                                    spec.aug), spec.mean, spec.std)
-      z = np.asarray(apply_fn(variables, img), np.float64)
-      for b in np.flatnonzero(rows < n):
-        zb = z[b]
+      imgs = [augment_fn(jax.random.fold_in(jax.random.fold_in(key, v), r), jnp.asarray(x[r]))
+              for r in rows]
+      z = np.asarray(apply_fn(variables, augment.normalize(jnp.stack(imgs), spec.mean, spec.std)),
+                     np.float64)
+      for zb in z:
         if mu is not None and np.linalg.norm(zb) >= np.sqrt(mu):
           zb = np.sqrt(mu) * zb / np.linalg.norm(zb)
         acc = acc + np.outer(zb, zb)
@@ -198,7 +197,9 @@ def numpy_fedsc_hooks(spec, *, num_rounds, sigma, views, chunk, mu, share_start=
   noise), the share counts, q, alpha_t, and R̃_{-j} as an explicit sum over the other clients."""
   from fedjax_ssl.algorithms import fedsc  # pylint: disable=g-import-not-at-top
   from fedjax_ssl.ops import privacy  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.data import augment  # pylint: disable=g-import-not-at-top
   apply_fn = jax.jit(lambda v, img: spec.model.apply(v, img, train=False, with_predictor=False)['z'])
+  augment_fn = jax.jit(lambda k, im: augment.augment(k, im, spec.aug))
 
   def prepare(server, data, ids, round_idx, key):
     t = round_idx + 1
@@ -209,8 +210,9 @@ def numpy_fedsc_hooks(spec, *, num_rounds, sigma, views, chunk, mu, share_start=
     if t > share_start and t % share_every == 0:
       for c in (range(len(n)) if shares.sum() == 0 else ids):
         ckey = jax.random.fold_in(rng.client_key(key, c), fedsc.CALR_STREAM)
-        r = numpy_calr(spec, apply_fn, server['model'], x[c], int(n[c]), ckey, views=views,
-                       chunk=chunk, mu=mu)
+        r = numpy_calr(spec, apply_fn, augment_fn, server['model'], x[c], int(n[c]),
+                       jax.random.fold_in(ckey, fedsc.VIEW_STREAM), views=views, chunk=chunk,
+                       mu=mu)
         if sigma > 0:
           noise_key = jax.random.fold_in(ckey, fedsc.NOISE_STREAM)
           r = r + np.asarray(privacy.add_noise(noise_key, jnp.zeros(r.shape, dtype), sigma))

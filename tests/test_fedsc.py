@@ -56,13 +56,13 @@ def test_calr_matrix_equals_the_loop_and_not_the_chunking():
                  static_argnums=2)
     apply_fn = jax.jit(lambda v, img: spec.model.apply(v, img, train=False,
                                                         with_predictor=False)['z'])
-    for chunk in (4, 16):  # 3 chunks with padding / one chunk
+    augment_fn = jax.jit(lambda k, im: augment.augment(k, im, spec.aug))
+    want = reference.numpy_calr(spec, apply_fn, augment_fn, variables, np.asarray(data.x[0]),
+                                SIZES[0], key, views=2, chunk=5, mu=2.0)
+    for chunk in (4, 16):  # 3 chunks with padding / one chunk: the same matrix
       got = np.asarray(fn(data.x[0], data.n[0], chunk))
-      want = reference.numpy_calr(spec, apply_fn, variables, np.asarray(data.x[0]), SIZES[0], key,
-                                  views=2, chunk=chunk, mu=2.0)
       np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
-    # Chunks of 4 and 16 draw different augmentations (the key folds in the chunk index), so the
-    # two differ; both are PSD with ||R||_F <= mu (T9's bound, clip active).
+    # PSD with ||R||_F <= mu (T9's bound, clip active).
     assert np.linalg.eigvalsh(got).min() > -1e-12 and np.linalg.norm(got) <= 2.0
 
 
@@ -167,6 +167,9 @@ def test_an_unreachable_epsilon_is_refused_before_training():
     (dict(fedsc=dict(delta=1.0)), 'config.fedsc.delta = 1.0 is invalid'),
     (dict(fedsc=dict(accountant='moments')), "config.fedsc.accountant = 'moments'"),
     (dict(fedsc=dict(share_every=0)), 'config.fedsc.share_every = 0 is invalid'),
+    (dict(fedsc=dict(share_start=7)), 'leave no share round in 7 rounds'),
+    (dict(fedsc=dict(dp=True, target_epsilon=3.0, sigma_partial='linear')),
+     "config.fedsc.sigma_partial = 'linear' is invalid when sigma is calibrated"),
     (dict(algorithm='fedavg', ssl_method='byol', drop_last=False),
      "config.drop_last = False is invalid with ssl_method 'byol'"),
 ])

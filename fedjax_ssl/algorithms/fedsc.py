@@ -32,16 +32,22 @@ from fedjax_ssl.ops import correlation, privacy
 
 SHARE_WEIGHTS = ('uniform', 'data')
 ALPHA_SCHEDULES = ('linear', 'q')
-# fold_in tags under a client's round key; the training streams use 0, 1, 2 (core/rng.py), so
-# DP-CalR's views and noise never reuse a training draw.
+# fold_in tag of DP-CalR under a client's round key (the training streams use 0, 1, 2: core/rng.py),
+# and the two sibling streams under it: the views (then view v, then example row) and the noise.
 CALR_STREAM = 0xCA1
-NOISE_STREAM = 0xD9
+VIEW_STREAM = 0
+NOISE_STREAM = 1
+
+
+def _float():
+  """float32, or float64 when x64 is enabled (a float64 state stays float64)."""
+  return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def alpha_at(t: jax.Array, num_rounds: int, alpha_start: float, alpha_end: float) -> jax.Array:
   """alpha_t = alpha_start + (alpha_end - alpha_start) (t - 1) / T for round t = 1..T (App. C:
   1 -> 0.2 linearly; the code's 1 - 0.8 t / T with t = 0..T-1)."""
-  frac = (jnp.asarray(t, jnp.float32) - 1.0) / num_rounds
+  frac = (jnp.asarray(t, _float()) - 1.0) / num_rounds
   return alpha_start + (alpha_end - alpha_start) * frac
 
 
@@ -54,8 +60,8 @@ def is_share_round(t, share_start: int, share_every: int):
 def share_weights(n: jax.Array, kind: str) -> jax.Array:
   """q [J]: 'uniform' 1/J (the code, A6) or 'data' |D_j| / |D| (the paper's q_j)."""
   if kind == 'uniform':
-    return jnp.full(n.shape, 1.0 / n.shape[0], jnp.float32)
-  return n.astype(jnp.float32) / jnp.sum(n).astype(jnp.float32)
+    return jnp.full(n.shape, 1.0 / n.shape[0], _float())
+  return n.astype(_float()) / jnp.sum(n).astype(_float())
 
 
 def calr_matrix(spec: ssl_client.ClientSpec, variables, x: jax.Array, n: jax.Array,
@@ -67,9 +73,10 @@ def calr_matrix(spec: ssl_client.ClientSpec, variables, x: jax.Array, n: jax.Arr
     variables: {'params', 'batch_stats'} of the global encoder + projector.
     x: uint8 [n_max, H, W, C], the client's rows (the first n are real).
     n: int32 scalar.
-    key: the client's DP-CalR key.
+    key: the client's DP-CalR view key; view v of row r is augmented with
+      fold_in(fold_in(key, v), r), so the result does not depend on `chunk`.
     views: V augmented views per example (the code: 5 passes x 2 views = 10).
-    chunk: examples per forward pass (memory only; the result does not depend on it).
+    chunk: examples per forward pass (memory only).
     sqrt_mu: NormClip radius, or None.
   Returns:
     float [H, H], symmetric PSD.
@@ -80,9 +87,10 @@ def calr_matrix(spec: ssl_client.ClientSpec, variables, x: jax.Array, n: jax.Arr
   def forward(c, v):
     rows = c * chunk + jnp.arange(chunk)
     valid = rows < n
-    k = jax.random.fold_in(jax.random.fold_in(key, c), v)
-    img = augment.normalize(augment.augment_batch(k, x[jnp.minimum(rows, n_max - 1)], spec.aug),
-                            spec.mean, spec.std)
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, v), r))(rows)
+    img = jax.vmap(lambda k, im: augment.augment(k, im, spec.aug))(
+        keys, x[jnp.minimum(rows, n_max - 1)])
+    img = augment.normalize(img, spec.mean, spec.std)
     z = spec.model.apply(variables, img, train=False, with_predictor=False)['z']
     return correlation.view_sum_correlation(z[None], sqrt_mu, valid)
 
@@ -134,16 +142,17 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       if num_clients < 2:
         raise ValueError(f'num_clients = {num_clients} is invalid for FedSC with sharing: '
                          'R̃_{-j} needs at least one other client')
-      server.update(cov=jnp.zeros((num_clients, h, h), jnp.float32),
+      server.update(cov=jnp.zeros((num_clients, h, h), _float()),
                     shares=jnp.zeros((num_clients,), jnp.int32),
-                    q=jnp.full((num_clients,), 1.0 / num_clients, jnp.float32),
-                    alpha=jnp.ones((), jnp.float32))
+                    q=jnp.full((num_clients,), 1.0 / num_clients, _float()),
+                    alpha=jnp.ones((), _float()))
     return replicate(client, num_clients), server
 
   def upload_matrix(server, data, cid, key):
     ckey = jax.random.fold_in(rng.client_key(key, cid), CALR_STREAM)
-    r = calr_matrix(spec, server['model'], data.x[cid], data.n[cid], ckey, views=calr_views,
-                    chunk=calr_batch, sqrt_mu=sqrt_mu)
+    r = calr_matrix(spec, server['model'], data.x[cid], data.n[cid],
+                    jax.random.fold_in(ckey, VIEW_STREAM), views=calr_views, chunk=calr_batch,
+                    sqrt_mu=sqrt_mu)
     if sigma > 0:
       r = privacy.add_noise(jax.random.fold_in(ckey, NOISE_STREAM), r, sigma)
     return r.astype(server['cov'].dtype)

@@ -37,4 +37,5 @@ def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algor
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       personalized=True,
+      ragged_batches=spec.method == 'sc',
   )

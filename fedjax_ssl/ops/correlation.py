@@ -118,5 +118,8 @@ def leave_one_out(total: jax.Array, r_j: jax.Array, q_j: jax.Array) -> jax.Array
 
 def replace_matrix(total: jax.Array, old_j: jax.Array, new_j: jax.Array, q_j: jax.Array
                    ) -> jax.Array:
-  """Alg. 1's incremental update R̃ ← R̃ - q_j R̃_j^{old} + q_j R̃_j^{new} (one client's upload)."""
+  """Alg. 1's incremental update R̃ ← R̃ - q_j R̃_j^{old} + q_j R̃_j^{new} (one client's upload).
+
+  The engine recomputes `weighted_sum` of its cache every round instead (exact, no drift, cheap);
+  this form is the paper's and is tested to agree with it (T13)."""
   return total - q_j * old_j + q_j * new_j

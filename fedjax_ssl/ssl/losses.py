@@ -142,7 +142,7 @@ def spectral_contrastive_loss(z0: jax.Array,
 
   Args:
     z0, z1: float [B, H], projector outputs of the two views.
-    alpha: weight of the intra-client contrast term (FedSC: alpha_t = 1 - 0.8 t / T).
+    alpha: weight of the intra-client contrast term (FedSC: alpha_t = 1 - 0.8 (t - 1) / T, t = 1..T).
     r_global: float [H, H], the received R̃_{-j} (treated as a constant: gradients are stopped), or None.
     mu: NormClip level (rows clipped to norm sqrt(mu)), > 0, or None for no clipping.
     mask: optional bool [B]: only True rows count and B is their number (FedSC's ragged last batch,
