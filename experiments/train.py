@@ -109,7 +109,9 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
         f'{privacy_summary["planned_shares_max"]} shares per client)')
   round_step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
   devices = jax.device_count()
-  say(f'{algo.name} / {config.ssl_method}, {config.encoder} encoder, {config.rounds} '
+  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
+              else config.encoder)
+  say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
       f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
       f'device{"s" if devices > 1 else ""}), strategy '
       f'{strategies.resolve_strategy(config.strategy)!r}')
@@ -183,6 +185,8 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
   ckpt.close()
   results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if algo.cohorts:  # the architecture of every client, as this run assigned it
+    results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if privacy_summary:
     results['privacy'] = dict(privacy_summary, epsilon=final['epsilon'])
   _write_json(workdir / 'results.json', results)

@@ -28,7 +28,8 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import eval as fs_eval
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import fedavg, fedema, fedsc, fedu, fedu2, independent, ssl_client
+from fedjax_ssl.algorithms import (fedavg, fedema, fedsc, fedu, fedu2, hetero_ssfl, independent,
+                                   ssl_client)
 from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.core import optim, rng, strategies
 from fedjax_ssl.core import round as rd
@@ -38,7 +39,8 @@ from fedjax_ssl.data import augment, partition, sources
 from fedjax_ssl.data.types import Dataset, FedData
 from fedjax_ssl.ops import min_norm, privacy, uot
 
-ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'independent', 'centralized')
+ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'independent',
+              'centralized')
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 
@@ -58,7 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.classes_per_client = 2        # 'classes' partition
   c.public_size = 0               # public / RAD set carved out before partitioning
   # Method.
-  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | fedsc | independent | centralized
+  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | fedsc | hetero_ssfl | independent | centralized
   c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
@@ -78,6 +80,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.independent_init = True       # independent: per-client random init
   c.fedu2 = fedu2_config()
   c.fedsc = fedsc_config()
+  c.hetero_ssfl = hetero_ssfl_config()
   c.sc_mu = 4.0                   # 'sc': NormClip level mu in the SC loss and FedSC's DP-CalR (0 = off)
   # Federation and optimisation.
   c.rounds = 100
@@ -227,6 +230,95 @@ def _validate_fedsc(config: ml_collections.ConfigDict) -> None:
                          'or leave both 0')
 
 
+def hetero_ssfl_config() -> ml_collections.ConfigDict:
+  """Hetero-SSFL's keys (algorithm = 'hetero_ssfl'); defaults follow BUILD_NOTES "Hetero-SSFL"."""
+  h = ml_collections.ConfigDict()
+  # Architectures: 'encoder:count,...' covering num_clients ('' = every client config.encoder).
+  h.mix = ''
+  h.assignment = 'ordered'        # ordered (first counts to the first encoder) | shuffled (by seed)
+  h.mu = 0.1                      # v001 / F.2 for CIFAR (v000: 0.5); 0 = standalone local SSL
+  h.mu_schedule = 'constant'      # constant | sqrt (FedHeNN: mu * sqrt(round))
+  h.rad_batch = 1000              # b_R RAD points per local step (A8); 0 = the whole RAD
+  h.sign = 'distance'             # distance 1 - CKA (A1) | similarity + CKA (v000 literal)
+  h.centered = True               # False: the paper's uncentred formula (A2)
+  h.average = 'kernels'           # kernels K̄ = Σ w K (A3) | features Φ̄ = Σ w Φ (v001 Eq. 2)
+  h.kbar_clients = 'all'          # all (stale cache, A4) | participants (last round's, FedHeNN)
+  h.bn_mode = 'train'             # BatchNorm on RAD passes: train batch stats (A9) | eval
+  h.broadcast = 'kernel'          # what K̄ travels as: kernel [L, L] | representations [N, L, d]
+  return h
+
+
+def hetero_cohorts(config: ml_collections.ConfigDict) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+  """(encoder, sorted client ids) per cohort from hetero_ssfl.mix and .assignment.
+
+  'ordered' gives the first count clients to the first encoder and so on; 'shuffled' does the same
+  over a permutation of the clients drawn from the seed (the paper draws architectures at random).
+  Raises ConfigError for a malformed mix, an unknown encoder, a repeated encoder, a zero count or
+  counts that do not add up to num_clients.
+  """
+  h, num = config.hetero_ssfl, config.num_clients
+  if not h.mix:
+    return ((config.encoder, tuple(range(num))),)
+  counts = []
+  for item in h.mix.split(','):
+    name, sep, count = item.strip().partition(':')
+    if not sep or not count.strip().isdigit():
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: {item!r} is not '
+                           "'encoder:count' (e.g. 'resnet34:3,resnet18:2')")
+    name = name.strip()
+    cv.check_choice('hetero_ssfl.mix encoder', name, tuple(models.ENCODERS))
+    if name in dict(counts):
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: encoder {name!r} '
+                           'appears twice')
+    if int(count) < 1:
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: encoder {name!r} has '
+                           f'{count} clients; every listed encoder needs at least 1')
+    counts.append((name, int(count)))
+  total = sum(c for _, c in counts)
+  if total != num:
+    raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: its counts add up to '
+                         f'{total} clients, but config.num_clients = {num}; the mix must cover '
+                         'every client exactly once')
+  order = np.arange(num)
+  if h.assignment == 'shuffled':
+    order = np.random.default_rng([config.seed, 0x4e7]).permutation(num)
+  out, start = [], 0
+  for name, count in counts:
+    out.append((name, tuple(sorted(int(i) for i in order[start:start + count]))))
+    start += count
+  return tuple(out)
+
+
+def _validate_hetero_ssfl(config: ml_collections.ConfigDict) -> None:
+  h = config.hetero_ssfl
+  if config.ssl_method not in hetero_ssfl.METHODS:
+    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
+                         f"'hetero_ssfl': must be one of {hetero_ssfl.METHODS} (the aligned "
+                         'representation is the predictor output)')
+  cv.check_choice('hetero_ssfl.assignment', h.assignment, ('ordered', 'shuffled'))
+  cv.check_choice('hetero_ssfl.mu_schedule', h.mu_schedule, hetero_ssfl.MU_SCHEDULES)
+  cv.check_choice('hetero_ssfl.sign', h.sign, hetero_ssfl.SIGNS)
+  cv.check_choice('hetero_ssfl.average', h.average, hetero_ssfl.AVERAGES)
+  cv.check_choice('hetero_ssfl.kbar_clients', h.kbar_clients, hetero_ssfl.KBAR_CLIENTS)
+  cv.check_choice('hetero_ssfl.bn_mode', h.bn_mode, hetero_ssfl.BN_MODES)
+  cv.check_choice('hetero_ssfl.broadcast', h.broadcast, hetero_ssfl.BROADCASTS)
+  if not isinstance(h.centered, bool):
+    raise cv.ConfigError(f'config.hetero_ssfl.centered = {h.centered!r} is invalid: must be a bool')
+  cv.check_float_range('hetero_ssfl.mu', h.mu, 0.0, None)
+  cv.check_int_range('hetero_ssfl.rad_batch', h.rad_batch, 0, 10_000_000)
+  hetero_cohorts(config)
+  if h.mu > 0:
+    if config.public_size < 1:
+      raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid for Hetero-SSFL '
+                           f'with hetero_ssfl.mu = {h.mu}: the RAD is carved out of the training '
+                           'split, set public_size > 0 (the paper: 5000)')
+    b_r = h.rad_batch or config.public_size
+    if b_r > config.public_size or config.public_size % b_r:
+      raise cv.ConfigError(f'config.hetero_ssfl.rad_batch = {h.rad_batch} is invalid with '
+                           f'config.public_size = {config.public_size}: it must divide the RAD '
+                           'size (0 = the whole RAD every step)')
+
+
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
   """(init_key, run_key) of a run: the model init and every round's randomness
   (round r uses rng.round_key(run_key, r))."""
@@ -374,6 +466,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_fedu2(config)
   if config.algorithm == 'fedsc':
     _validate_fedsc(config)
+  if config.algorithm == 'hetero_ssfl':
+    _validate_hetero_ssfl(config)
+  elif config.hetero_ssfl.mix:
+    raise cv.ConfigError(f'config.hetero_ssfl.mix = {config.hetero_ssfl.mix!r} is invalid with '
+                         f'algorithm {config.algorithm!r}: several architectures in one federation '
+                         "need algorithm 'hetero_ssfl'")
   cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
   if not config.drop_last and config.ssl_method != 'sc':
     raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '
@@ -555,12 +653,15 @@ def check_data_config(config: ml_collections.ConfigDict, info: DatasetInfo) -> N
                          f'training examples in the kNN memory bank ({source})')
   h, w, c = info.image_shape
   out_h, out_w = augment.preset(config.augmentation, h).output_hw(h, w)
-  reason = _encoder_input_error(config.encoder, (out_h, out_w, c))
-  if reason is not None:
-    fits = [e for e in models.ENCODERS if _encoder_input_error(e, (out_h, out_w, c)) is None]
-    raise cv.ConfigError(f'config.encoder = {config.encoder!r} is invalid for the '
-                         f'{out_h}x{out_w}x{c} images of {info.name} ({reason}); encoders that '
-                         f'take them: {fits}')
+  encoders = [('config.encoder', config.encoder)]
+  if config.algorithm == 'hetero_ssfl' and config.hetero_ssfl.mix:
+    encoders = [('config.hetero_ssfl.mix encoder', e) for e, _ in hetero_cohorts(config)]
+  for key, encoder in encoders:
+    reason = _encoder_input_error(encoder, (out_h, out_w, c))
+    if reason is not None:
+      fits = [e for e in models.ENCODERS if _encoder_input_error(e, (out_h, out_w, c)) is None]
+      raise cv.ConfigError(f'{key} = {encoder!r} is invalid for the {out_h}x{out_w}x{c} images '
+                           f'of {info.name} ({reason}); encoders that take them: {fits}')
   average = left // config.num_clients
   if config.batch_size > average:
     logging.warning(
@@ -594,8 +695,9 @@ def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset) -> Tuple
                                   public_size=config.public_size, **kw)
 
 
-def build_model(config: ml_collections.ConfigDict, num_classes: int):
-  encoder = models.get_encoder(config.encoder, conv_impl=config.conv_impl)
+def build_model(config: ml_collections.ConfigDict, num_classes: int, encoder_name: str = ''):
+  """The client model around `encoder_name` (default config.encoder)."""
+  encoder = models.get_encoder(encoder_name or config.encoder, conv_impl=config.conv_impl)
   if config.ssl_method == 'supervised':
     return models.Classifier(encoder, num_classes)
   with_pred = config.ssl_method in ('byol', 'simsiam')
@@ -620,12 +722,15 @@ def fur_regularizer(f: ml_collections.ConfigDict):
   return lambda z, key: lam * uot.fur_uot_loss(z, key, **kw)[0]
 
 
-def client_spec(config: ml_collections.ConfigDict, dataset: Dataset) -> ssl_client.ClientSpec:
+def client_spec(config: ml_collections.ConfigDict, dataset: Dataset, encoder_name: str = ''
+                ) -> ssl_client.ClientSpec:
+  """The local learning problem of a client with encoder `encoder_name` (default config.encoder)."""
   h, w, c = dataset.image_shape
   tx = optim.make_optimizer(config.optimizer, momentum=config.momentum, nesterov=config.nesterov,
                             weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
   return ssl_client.ClientSpec(
-      method=config.ssl_method, model=build_model(config, dataset.num_classes), tx=tx,
+      method=config.ssl_method, model=build_model(config, dataset.num_classes, encoder_name),
+      tx=tx,
       aug=augment.preset(config.augmentation, h), mean=tuple(dataset.mean), std=tuple(dataset.std),
       input_shape=(h, w, c), temperature=config.temperature,
       nt_xent_zero_diagonal=config.nt_xent_zero_diagonal, ema_tau=config.ema_tau,
@@ -640,6 +745,13 @@ def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,
   """The configured Algorithm. client_sizes (int [J], `fed_data.n`) is needed by FedSC with DP (its
   noise level and privacy ledger depend on |D_j|); ConfigError if its target cannot be met."""
   spec = client_spec(config, dataset)
+  if config.algorithm == 'hetero_ssfl':
+    h, groups = config.hetero_ssfl, hetero_cohorts(config)
+    return hetero_ssfl.make(
+        [(name, client_spec(config, dataset, name)) for name, _ in groups],
+        [members for _, members in groups], rad_size=config.public_size, mu=float(h.mu),
+        rad_batch=h.rad_batch, mu_schedule=h.mu_schedule, sign=h.sign, centered=h.centered,
+        average=h.average, kbar_clients=h.kbar_clients, bn_mode=h.bn_mode, broadcast=h.broadcast)
   if config.algorithm == 'fedsc':
     f = config.fedsc
     if f.share and f.dp and client_sizes is None:
@@ -687,26 +799,46 @@ def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: 
 
 
 def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState, dataset: Dataset,
-             *, probe: bool = True, knn: bool = True) -> Dict[str, float]:
+             *, probe: bool = True, knn: bool = True) -> Dict[str, Any]:
   """Linear probe (full train -> full test) and kNN monitor on the frozen encoder(s).
 
   Personalised models are evaluated client by client; the result is the unweighted client mean
-  (per-client accuracies under 'probe_acc_clients').
+  (per-client accuracies under '<metric>_clients', in client-id order). With several cohorts
+  (architectures) each cohort's mean is reported too, as '<metric>_<cohort name>'.
   """
   variables, per_client = algo.eval_variables(state)
+  if not per_client:
+    return _evaluate_encoder(config, algo, variables, False, dataset, probe=probe, knn=knn)
+  groups = (tuple(zip(algo.cohorts, variables)) if algo.cohorts else
+            ((rd.cohorts(algo, len(jax.tree_util.tree_leaves(variables)[0]))[0], variables),))
+  per_cohort = [_evaluate_encoder(config, c.client, v, True, dataset, probe=probe, knn=knn)
+                for c, v in groups]
+  out: Dict[str, Any] = {}
+  for key in per_cohort[0]:
+    accs = np.zeros(sum(len(c.members) for c, _ in groups))
+    for (cohort, _), res in zip(groups, per_cohort):
+      accs[list(cohort.members)] = res[key]
+      if algo.cohorts:
+        out[f'{key}_{cohort.name}'] = float(np.mean(res[key]))
+    out[key] = float(np.mean(accs))
+    if key != 'knn_acc':
+      out[f'{key}_clients'] = [float(a) for a in accs]
+  return out
+
+
+def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variables: Any,
+                      per_client: bool, dataset: Dataset, *, probe: bool, knn: bool
+                      ) -> Dict[str, Any]:
+  """{metric: accuracy} for one shared encoder, or {metric: [C] accuracies} for stacked ones."""
   train_f = encoder_features(algo, variables, per_client, dataset.train_x, dataset)
   test_f = encoder_features(algo, variables, per_client, dataset.test_x, dataset)
   out: Dict[str, Any] = {}
   if knn:
-    if per_client:
-      accs = [fs_eval.knn_monitor(a, dataset.train_y, b, dataset.test_y, dataset.num_classes,
-                                  k=config.knn_k, temperature=config.knn_temperature)
-              for a, b in zip(train_f, test_f)]
-      out['knn_acc'] = float(np.mean(accs))
-    else:
-      out['knn_acc'] = float(fs_eval.knn_monitor(train_f, dataset.train_y, test_f, dataset.test_y,
-                                                 dataset.num_classes, k=config.knn_k,
-                                                 temperature=config.knn_temperature))
+    knn_fn = lambda a, b: float(fs_eval.knn_monitor(
+        a, dataset.train_y, b, dataset.test_y, dataset.num_classes, k=config.knn_k,
+        temperature=config.knn_temperature))
+    out['knn_acc'] = ([knn_fn(a, b) for a, b in zip(train_f, test_f)] if per_client else
+                      knn_fn(train_f, test_f))
   probes = [('probe_acc', config.probe_epochs, config.probe_standardize),
             ('probe_std_acc', config.probe_std_epochs, True)]
   for key, epochs, standardize in probes:
@@ -717,8 +849,7 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
     if per_client:
       res = fs_eval.linear_probe_stack(train_f, dataset.train_y, test_f, dataset.test_y,
                                        dataset.num_classes, **kw)
-      out[key] = float(res['mean_test_acc'])
-      out[f'{key}_clients'] = [float(a) for a in np.asarray(res['test_acc'])]
+      out[key] = [float(a) for a in np.asarray(res['test_acc'])]
     else:
       res = fs_eval.linear_probe(train_f, dataset.train_y, test_f, dataset.test_y,
                                  dataset.num_classes, **kw)

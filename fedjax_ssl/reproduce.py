@@ -43,6 +43,23 @@ METRICS = {
 }
 
 
+def cohort_metric(metric: str) -> Optional[Tuple[str, str]]:
+  """(base metric, cohort) for a per-architecture metric such as 'probe_acc_resnet18' (the mean
+  over that cohort's clients, experiment.evaluate), else None."""
+  for base in sorted(METRICS, key=len, reverse=True):
+    if metric.startswith(base + '_') and len(metric) > len(base) + 1:
+      return base, metric[len(base) + 1:]
+  return None
+
+
+def metric_name(metric: str) -> str:
+  """How a table names `metric` (a METRICS key or a per-cohort metric)."""
+  if metric in METRICS:
+    return METRICS[metric]
+  base, cohort = cohort_metric(metric)
+  return f'{METRICS[base]}, {cohort} clients'
+
+
 @dataclasses.dataclass(frozen=True)
 class Table:
   """A reproduction target.
@@ -97,9 +114,9 @@ def check_table(table: Table) -> None:
   if not table.rows or not table.columns:
     raise cv.ConfigError(f'table {table.name!r} needs at least one row and one column')
   for metric in table.metrics:
-    if metric not in METRICS:
+    if metric not in METRICS and cohort_metric(metric) is None:
       raise cv.ConfigError(f'table {table.name!r}: metric {metric!r} is unknown; allowed: '
-                           f'{tuple(METRICS)}')
+                           f'{tuple(METRICS)} or one of them + \'_<cohort name>\'')
   ids = [cell_id(r, c) for r, c in table.cells()]
   dup = sorted({i for i in ids if ids.count(i) > 1})
   if dup:
@@ -169,6 +186,7 @@ _UNUSED_WHEN = {
     'classes_per_client': lambda c: c.partition != 'classes',
     'fedu2': lambda c: c.algorithm != 'fedu2',
     'fedsc': lambda c: c.algorithm != 'fedsc',
+    'hetero_ssfl': lambda c: c.algorithm != 'hetero_ssfl',
     'sc_mu': lambda c: c.ssl_method != 'sc',
 }
 
@@ -281,13 +299,18 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
       for run, status, payload in entries:
         if status == 'done':
           if metric not in payload['final']:
-            errors.append(f'seed {run.seed}: results have no {metric!r}')
+            # A per-architecture metric exists only for runs with that cohort (not baselines).
+            if cohort_metric(metric) is None:
+              errors.append(f'seed {run.seed}: results have no {metric!r}')
             continue
           values.append(100.0 * payload['final'][metric])
           inits.append(100.0 * payload['random_init'].get(metric, float('nan')))
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')
+      if cohort_metric(metric) and not values and not errors and all(
+          status == 'done' for _, status, _ in entries):
+        continue
       paper = table.paper.get((row, column, metric))
       mean = float(np.mean(values)) if values else float('nan')
       std = float(np.std(values, ddof=1)) if len(values) > 1 else float('nan')
@@ -347,7 +370,7 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
   rows = [r for r in table.rows if any((r, c, m) in by_key for c in table.columns
                                        for m in table.metrics)]
   for metric in table.metrics:
-    lines += ['', f'## {METRICS[metric]}', '',
+    lines += ['', f'## {metric_name(metric)}', '',
               '| | ' + ' | '.join(table.columns) + ' |',
               '|---|' + '---|' * len(table.columns)]
     for r in rows:
@@ -417,7 +440,7 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
       ax.text(x, ax.get_ylim()[0], text, rotation=90, ha='center', va='bottom', fontsize=7)
     ax.set_xticks(np.arange(len(rows)))
     ax.set_xticklabels(rows, rotation=25, ha='right', fontsize=8)
-    ax.set_ylabel(METRICS[metric])
+    ax.set_ylabel(metric_name(metric))
     ax.grid(axis='y', alpha=0.3)
     ax.legend(handles=[matplotlib.patches.Patch(color=f'C{j % 10}', alpha=0.8, label=c)
                        for j, c in enumerate(columns)], fontsize=8, loc='best')

@@ -57,8 +57,8 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
   """
   if perturb not in (None,) + PERTURBATIONS:
     raise ValueError(f'perturb = {perturb!r} is invalid: must be None or one of {PERTURBATIONS}')
-  x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
-  num_clients, n_max = x.shape[0], x.shape[1]
+  n_all = np.asarray(data.n)
+  num_clients = n_all.shape[0]
   ids = [int(i) for i in np.asarray(sample_participants(key, num_clients, clients_per_round))]
   assert (prepare is None) == (algo.prepare is None), 'pass a reference prepare for this algorithm'
   assert (personalize is None) == (algo.personalize is None), 'pass a reference personalize'
@@ -70,36 +70,16 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
   payloads, losses = [], []
   smallest = min(ids, key=lambda c: (n_all[c], c))
   for pos, cid in enumerate(ids):
-    ckey = rng.client_key(key, cid)
     msg = personalize(msg_all, cid) if personalize is not None else msg_all
-    n = int(n_all[cid])
-    spe = max(n // batch_size if drop_last else -(-n // batch_size), 1)
-    client = algo.begin(_take(clients, cid), msg, rng.begin_key(ckey))
-    start = client
-    step_losses = []
     # The bug only touches the first participant's first step ('mask': the smallest participant).
-    first = pos == 0
-    data_cid = ids[1] if perturb == 'client' and first else cid
-    num_steps = local_epochs * spe + (perturb == 'mask' and cid == smallest)
-    for s in range(num_steps):
-      epoch, j = divmod(s, spe)
-      epoch = min(epoch, local_epochs - 1)
-      u = np.asarray(jax.random.uniform(rng.epoch_permutation_key(ckey, epoch), (n_max,)))
-      order = np.argsort(np.where(np.arange(n_max) < n, u, 2.0), kind='stable')
-      assert set(order[:n]) == set(range(n))
-      shift = int(perturb == 'batch' and first and s == 0)
-      epoch_pos = j * batch_size + np.arange(batch_size) + shift
-      idx = order[epoch_pos % n]
-      step_key = rng.step_key(ckey, s + int(perturb == 'key' and first and s == 0))
-      batch = {'x': x[data_cid][idx], 'y': y[data_cid][idx]}
-      if not drop_last:
-        batch['mask'] = epoch_pos < n
-      client, loss = local_step(client, batch, step_key, msg, lr)
-      step_losses.append(float(loss))
-    client = algo.end(start, client, msg)
+    client, payload, loss = train_participant(
+        algo, local_step, _take(clients, cid), data, key, cid, msg, lr, batch_size=batch_size,
+        local_epochs=local_epochs, drop_last=drop_last,
+        perturb=perturb if (cid == smallest if perturb == 'mask' else pos == 0) else None,
+        other=ids[1] if len(ids) > 1 else cid)
     new[cid] = client
-    payloads.append(algo.upload(client))
-    losses.append(np.mean(step_losses))
+    payloads.append(payload)
+    losses.append(loss)
   counts = n_all[ids] + (perturb == 'weight')
   weights = counts / counts.sum()
   if aggregates:
@@ -112,6 +92,112 @@ def reference_round(algo, local_step, clients, server, data, key, round_idx, *, 
     return out
   clients = jax.tree_util.tree_map(scatter, clients, *[new[c] for c in ids])
   return clients, server, float(np.mean(losses))
+
+
+def train_participant(algo, local_step, client, data, key, cid, msg, lr, *, batch_size,
+                      local_epochs, drop_last=True, perturb=None, other=None):
+  """One participant's round written out: begin, every real local step from a Python loop with
+  its batch gathered in numpy, end, upload. Returns (client, payload, mean step loss).
+
+  perturb: None or a per-participant bug of PERTURBATIONS ('batch', 'key', 'mask', 'client'; the
+  latter trains on client `other`'s data).
+  """
+  x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
+  n_max = x.shape[1]
+  ckey = rng.client_key(key, cid)
+  n = int(n_all[cid])
+  spe = max(n // batch_size if drop_last else -(-n // batch_size), 1)
+  client = algo.begin(client, msg, rng.begin_key(ckey))
+  start = client
+  step_losses = []
+  data_cid = other if perturb == 'client' else cid
+  num_steps = local_epochs * spe + (perturb == 'mask')
+  for s in range(num_steps):
+    epoch, j = divmod(s, spe)
+    epoch = min(epoch, local_epochs - 1)
+    u = np.asarray(jax.random.uniform(rng.epoch_permutation_key(ckey, epoch), (n_max,)))
+    order = np.argsort(np.where(np.arange(n_max) < n, u, 2.0), kind='stable')
+    assert set(order[:n]) == set(range(n))
+    shift = int(perturb == 'batch' and s == 0)
+    epoch_pos = j * batch_size + np.arange(batch_size) + shift
+    idx = order[epoch_pos % n]
+    step_key = rng.step_key(ckey, s + int(perturb == 'key' and s == 0))
+    batch = {'x': x[data_cid][idx], 'y': y[data_cid][idx]}
+    if not drop_last:
+      batch['mask'] = epoch_pos < n
+    client, loss = local_step(client, batch, step_key, msg, lr)
+    step_losses.append(float(loss))
+  client = algo.end(start, client, msg)
+  return client, algo.upload(client, msg), float(np.mean(step_losses))
+
+
+def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx, *,
+                       clients_per_round, batch_size, local_epochs, lr_fn, mu, mu_schedule='constant',
+                       average='kernels', kbar_clients='all', broadcast='kernel'):
+  """One Hetero-SSFL round as Algorithm 1 reads, with Python loops and numpy float64 server maths.
+
+  Who belongs to which architecture comes from `algo.cohorts`; each participant (in client-id
+  order) is trained by its cohort's per-client functions (`train_participant`). The server:
+  round 0 fills the cache with every client's upload of its initial model (A27); K̄ = Σ_j w_j A_j
+  A_jᵀ with w_j = 1/N over all clients (or 1/m over the last uploaders), built in float64 from the
+  cached representations; the participants' uploads replace their cache entries.
+
+  Returns (clients tuple, server, mean loss).
+  """
+  num_clients = sum(len(c.members) for c in algo.cohorts)
+  where = {int(g): (k, j) for k, c in enumerate(algo.cohorts) for j, g in enumerate(c.members)}
+  take = lambda cid: _take(clients[where[cid][0]], where[cid][1])
+  ids = [int(i) for i in np.asarray(sample_participants(key, num_clients, clients_per_round))]
+  reps = [np.array(r, np.float64) for r in server['reps']]
+  fresh = np.asarray(server['fresh'], np.float64)
+  rad = np.asarray(data.public_x)
+  if round_idx == 0:
+    for cid in range(num_clients):
+      k, j = where[cid]
+      reps[k][j] = np.asarray(algo.cohorts[k].client.upload(take(cid), {'public_x': rad}))
+  mu_t = mu * (np.sqrt(round_idx) if mu_schedule == 'sqrt' else 1.0)
+  w = np.ones(num_clients) if kbar_clients == 'all' else fresh
+  w = w / w.sum()
+  feats = [reps[where[cid][0]][where[cid][1]] for cid in range(num_clients)]
+  if average == 'features':
+    feats, w = [sum(wj * a for wj, a in zip(w, feats))], np.ones(1)
+  dtype = np.asarray(server['mu']).dtype
+  if broadcast == 'kernel':
+    kbar = sum(wj * a @ a.T for wj, a in zip(w, feats))
+    msg = {'kbar': kbar.astype(dtype)}
+  else:
+    msg = {'reps': tuple(np.stack([reps[k][j] for j in range(len(c.members))]).astype(dtype)
+                         for k, c in enumerate(algo.cohorts)) if average == 'kernels' else
+                   (np.stack(feats).astype(dtype),),
+           'weights': tuple(np.array([w[g] for g in c.members], dtype) for c in algo.cohorts)
+                      if average == 'kernels' else (np.ones(1, dtype),)}
+  msg.update(mu=np.asarray(mu_t, dtype), public_x=rad)
+  lr = lr_fn(round_idx)
+  new, losses = {}, []
+  for cid in ids:
+    k, _ = where[cid]
+    client, payload, loss = train_participant(
+        algo.cohorts[k].client, local_steps[k], take(cid), data, key, cid, msg, lr,
+        batch_size=batch_size, local_epochs=local_epochs)
+    new[cid] = client
+    reps[k][where[cid][1]] = np.asarray(payload, np.float64)
+    losses.append(loss)
+  out_clients = []
+  for k, c in enumerate(algo.cohorts):
+    def scatter(stacked, *per_client, members=c.members):
+      out = np.array(stacked)
+      for j, g in enumerate(members):
+        if g in new:
+          out[j] = per_client[j]
+      return out
+    out_clients.append(jax.tree_util.tree_map(
+        scatter, clients[k], *[new.get(g, _take(clients[k], j)) for j, g in enumerate(c.members)]))
+  fresh = np.zeros(num_clients)
+  fresh[ids] = 1.0
+  server = dict(server, reps=tuple(r.astype(np.asarray(server['reps'][0]).dtype) for r in reps),
+                fresh=fresh.astype(np.asarray(server['fresh']).dtype),
+                mu=np.asarray(mu_t, dtype))
+  return tuple(out_clients), server, float(np.mean(losses))
 
 
 def _flat(trees):

@@ -16,6 +16,7 @@ from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import fedsc, ssl_client
 from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import FedData
 from fedjax_ssl.ops import privacy
@@ -93,13 +94,13 @@ def test_planned_shares_are_the_counts_the_round_step_makes():
   config = _plan_config(share_start=1, share_every=2)
   algo = fedsc.make(_spec(), num_rounds=config.rounds, share_start=1, share_every=2,
                     calr_views=1, calr_batch=16)
-  _, server = algo.init(jax.random.PRNGKey(0), config.num_clients)
+  clients, server = algo.init(jax.random.PRNGKey(0), config.num_clients)
   prepare = jax.jit(algo.prepare)
   data, run_key = _data(), experiment.run_keys(config)[1]
   for r in range(config.rounds):
     key = rng.round_key(run_key, r)
     ids = rd.sample_participants(key, config.num_clients, config.clients_per_round)
-    server = prepare(server, data, ids, jnp.int32(r), key)
+    server = prepare(FedState(clients, server, jnp.int32(r)), data, ids, key)
   planned = experiment.planned_shares(config)
   np.testing.assert_array_equal(np.asarray(server['shares']), planned)
   # Share rounds t = 2 (everyone), 4, 6 (2 of 4 each): 1 + 2 * 2 / 4 on average, unequal here.

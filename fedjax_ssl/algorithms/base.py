@@ -9,25 +9,42 @@ stacked client axis) plus a server aggregation over the stacked uploads of the r
   local_step(client, batch, key, msg, lr)-> (client, loss) (one optimisation step; batch = dict(x=uint8
                                                              [B,H,W,C], y=int32 [B]))
   end(client_start, client, msg)         -> client         (post-training bookkeeping, e.g. divergence)
-  upload(client)                         -> payload        (what the server receives)
+  upload(client, msg)                    -> payload        (what the server receives)
   aggregate(server, payloads [m, ...], weights [m]) -> server   (weights sum to 1)
   eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
 
 Optional hooks, for methods whose round has more structure (FedSC); an algorithm without them
 computes exactly what it did before they existed:
 
-  prepare(server, data, ids, round, key) -> server  (once per round, before `broadcast`, inside the
-                                                      jitted round: e.g. uploads that every
-                                                      participant needs before local training)
+  prepare(state, data, ids, key)         -> server  (once per round, before `broadcast`, inside the
+                                                      jitted round, seeing the whole FedState: e.g.
+                                                      uploads that every participant needs before
+                                                      local training)
   personalize(msg, client_id)            -> msg     (a participant's own view of the broadcast,
                                                       e.g. the aggregate without its own matrix)
   host_metrics(state)                    -> dict    (host-side scalars logged after every round,
                                                       e.g. the privacy ledger's epsilon)
+  uses_public: bool                                 (the engine adds the server's public set,
+                                                      FedData.public_x, to the broadcast dict as
+                                                      msg['public_x']: Hetero-SSFL's RAD)
+
+Several architectures in one federation (Hetero-SSFL): an algorithm with `cohorts` holds one
+stacked client pytree per architecture, `FedState.clients = (cohort_0 [C_0, ...], ...)`. Each
+`Cohort` names its members (global client ids) and an Algorithm whose client-side functions (init
+of its stack, begin, local_step, end, upload, encoder_apply) train them; the parent's server
+functions (init's server, prepare, broadcast, aggregate) see every cohort. Its aggregate receives
+per-cohort tuples:
+
+  aggregate(server, payloads (per cohort [S_c, ...]), weights (per cohort [S_c]), slots) -> server
+
+where `slots` is a tuple of `CohortSlots` (which clients filled the cohort's S_c = min(m, C_c)
+static slots this round; slots a round does not fill have valid = False and weight 0). An algorithm
+without cohorts is the one-cohort case: its clients and aggregate keep the plain form above.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +71,36 @@ class Algorithm:
   host_metrics: Optional[Callable[..., Dict[str, float]]] = None
   # True when local_step honours batch['mask'] (the ragged last batch of `drop_last=False`).
   ragged_batches: bool = False
+  uses_public: bool = False
+  cohorts: Tuple['Cohort', ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cohort:
+  """One architecture's clients in a multi-cohort algorithm.
+
+  Attributes:
+    name: label used in logs and results (e.g. the encoder name).
+    members: sorted global client ids of the cohort.
+    client: the Algorithm whose client-side functions train this cohort; its `init(key, C_c)`
+      gives the cohort's stacked initial states.
+  """
+  name: str
+  members: Tuple[int, ...]
+  client: Algorithm
+
+
+class CohortSlots(NamedTuple):
+  """A cohort's participants of one round, in S_c static slots.
+
+  Attributes:
+    local: int32 [S_c] index into the cohort's stack (C_c, out of range, in unfilled slots).
+    ids: int32 [S_c] global client ids (undefined in unfilled slots).
+    valid: bool [S_c] whether the slot holds a participant.
+  """
+  local: jax.Array
+  ids: jax.Array
+  valid: jax.Array
 
 
 def weighted_mean(stacked: Any, weights: jax.Array) -> Any:

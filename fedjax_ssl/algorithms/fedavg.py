@@ -66,7 +66,7 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
       name=name, init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
       end=end,
-      upload=lambda client: shared_subset(spec, client),
+      upload=lambda client, msg: shared_subset(spec, client),
       aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,

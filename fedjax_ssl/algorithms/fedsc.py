@@ -157,8 +157,8 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       r = privacy.add_noise(jax.random.fold_in(ckey, NOISE_STREAM), r, sigma)
     return r.astype(server['cov'].dtype)
 
-  def prepare(server, data, ids, round_idx, key):
-    t = round_idx + 1
+  def prepare(state, data, ids, key):
+    server, t = state.server, state.round + 1
     cov, shares = server['cov'], server['shares']
     upload = lambda cids: jax.lax.map(lambda c: upload_matrix(server, data, c, key), cids)
 
@@ -209,7 +209,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       name='fedsc' if share else 'fedavg_sc', init=init,
       broadcast=lambda server: server if share else {'model': server['model']},
       begin=begin, local_step=local_step, end=lambda start, client, msg: client,
-      upload=lambda client: fedavg.shared_subset(spec, client), aggregate=aggregate,
+      upload=lambda client, msg: fedavg.shared_subset(spec, client), aggregate=aggregate,
       eval_variables=lambda state: (state.server['model'], False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),

@@ -183,7 +183,8 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
   return Algorithm(
       name=name, init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=lambda start, client, msg: client, upload=upload, aggregate=aggregate,
+      end=lambda start, client, msg: client, upload=lambda client, msg: upload(client),
+      aggregate=aggregate,
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),

@@ -31,7 +31,7 @@ def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algor
       name='independent', init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
       end=lambda start, client, msg: client,
-      upload=lambda client: {},
+      upload=lambda client, msg: {},
       aggregate=lambda server, payloads, weights: server,
       eval_variables=eval_variables,
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,

@@ -154,12 +154,20 @@ def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
   return sum(spec.feature_regularizer(z, k) for z, k in zip(zs, keys))
 
 
-def local_step(spec: ClientSpec, client, batch, key, msg, lr, sc_shared=None
+def local_step(spec: ClientSpec, client, batch, key, msg, lr, sc_shared=None,
+               extra_loss: Optional[Callable[[Any], jax.Array]] = None
                ) -> Tuple[Dict[str, Any], jax.Array]:
-  """One SGD/Adam step on one batch (and the BYOL target EMA update after it)."""
+  """One SGD/Adam step on one batch (and the BYOL target EMA update after it).
+
+  extra_loss: optional params -> scalar added to the loss inside the gradient (Hetero-SSFL's
+    mu * CKA term on the RAD); the step is otherwise the method's own.
+  """
   del msg
-  (loss, (bs, tbs)), grads = jax.value_and_grad(
-      lambda p: loss_fn(spec, p, client, batch, key, sc_shared), has_aux=True)(client['params'])
+
+  def total(p):
+    loss, aux = loss_fn(spec, p, client, batch, key, sc_shared)
+    return (loss if extra_loss is None else loss + extra_loss(p)), aux
+  (loss, (bs, tbs)), grads = jax.value_and_grad(total, has_aux=True)(client['params'])
   updates, opt_state = spec.tx.update(grads, client['opt_state'], client['params'])
   params = jax.tree_util.tree_map(lambda p, u: p - lr * u, client['params'], updates)
   new = dict(client, params=params, batch_stats=bs, opt_state=opt_state)

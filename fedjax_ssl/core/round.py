@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_ssl.algorithms.base import Algorithm
+from fedjax_ssl.algorithms.base import Algorithm, Cohort, CohortSlots
 from fedjax_ssl.core import local, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
@@ -64,28 +64,78 @@ def sample_participants(rkey: jax.Array, num_clients: int, m: int) -> jax.Array:
   return jnp.sort(ids).astype(jnp.int32)
 
 
-def client_round_fn(algo: Algorithm, cfg: RoundConfig) -> Callable:
+def client_round_fn(algo: Algorithm, cfg: RoundConfig, client_algo: Algorithm | None = None
+                    ) -> Callable:
   """One participant's whole round: begin -> local training -> end -> upload.
 
+  `client_algo` (default `algo`) supplies the client-side functions: a cohort's own Algorithm in a
+  multi-cohort run, where `algo` (the parent) supplies the server-side `personalize`.
   Returns fn(client, x, y, n, ckey, cid, msg, lr) -> (client, payload, mean loss).
   """
+  ca = client_algo or algo
+
   def fn(client, x, y, n, ckey, cid, msg, lr):
     if algo.personalize is not None:
       msg = algo.personalize(msg, cid)
-    start = algo.begin(client, msg, rng.begin_key(ckey))
-    trained, loss = local.train_client(algo.local_step, start, x, y, n, ckey, msg, lr,
+    start = ca.begin(client, msg, rng.begin_key(ckey))
+    trained, loss = local.train_client(ca.local_step, start, x, y, n, ckey, msg, lr,
                                        batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                        drop_last=cfg.drop_last)
-    trained = algo.end(start, trained, msg)
-    return trained, algo.upload(trained), loss
+    trained = ca.end(start, trained, msg)
+    return trained, ca.upload(trained, msg), loss
   return fn
+
+
+def cohorts(algo: Algorithm, num_clients: int) -> Tuple[Cohort, ...]:
+  """The algorithm's cohorts; a plain algorithm is one cohort holding every client."""
+  if algo.cohorts:
+    return algo.cohorts
+  return (Cohort(algo.name, tuple(range(num_clients)), algo),)
+
+
+def cohort_stacks(algo: Algorithm, clients) -> Tuple:
+  """`FedState.clients` as a tuple of per-cohort stacks (a 1-tuple for a plain algorithm)."""
+  return tuple(clients) if algo.cohorts else (clients,)
+
+
+def cohort_slots(ids: jax.Array, cohort: Cohort, num_clients: int, m: int) -> CohortSlots:
+  """The round's participants that belong to `cohort`, in min(m, C_c) static slots.
+
+  Args:
+    ids: int32 [m] sorted participant ids of the round.
+  Returns:
+    CohortSlots; the filled slots come first, in increasing client id.
+  """
+  members = np.asarray(cohort.members, np.int64)
+  if len(members) == num_clients:  # every client: the slots are the participants themselves
+    return CohortSlots(ids, ids, jnp.ones(ids.shape, bool))
+  size = min(m, len(members))
+  local_of = np.full(num_clients, -1, np.int32)
+  local_of[members] = np.arange(len(members), dtype=np.int32)
+  loc = jnp.asarray(local_of)[ids]
+  pos = jnp.nonzero(loc >= 0, size=size, fill_value=0)[0]
+  valid = jnp.arange(size) < jnp.sum(loc >= 0)
+  # Unfilled slots point past the stack: their gather is clamped (a real client, trained and then
+  # discarded) and their scatter dropped, so they can never overwrite a participant's state.
+  return CohortSlots(jnp.where(valid, loc[pos], len(members)).astype(jnp.int32), ids[pos], valid)
 
 
 def _prepare(algo: Algorithm, state: FedState, data: FedData, ids, key):
   """The server state after the algorithm's `prepare` hook (unchanged without one)."""
   if algo.prepare is None:
     return state.server
-  return algo.prepare(state.server, data, ids, state.round, key)
+  return algo.prepare(state, data, ids, key)
+
+
+def _broadcast(algo: Algorithm, server, data: FedData):
+  """The round's message: `broadcast(server)`, plus the public set for `uses_public` algorithms."""
+  msg = algo.broadcast(server)
+  if algo.uses_public:
+    if data.public_x is None:
+      raise ValueError(f'algorithm {algo.name!r} needs the public set FedData.public_x; build the '
+                       'federated data with public_size > 0')
+    msg = dict(msg, public_x=data.public_x)
+  return msg
 
 
 def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel, payloads, losses,
@@ -99,9 +149,24 @@ def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel,
   return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
+def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, new_sel,
+                         payloads, losses, lr, m: int):
+  """Aggregate and scatter of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
+  fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+  counts = tuple(jnp.where(s.valid, n, 0).astype(fdtype) for s, n in zip(slots, n_sel))
+  total = sum(jnp.sum(c) for c in counts)
+  server = algo.aggregate(server, payloads, tuple(c / total for c in counts), slots)
+  clients = tuple(
+      jax.tree_util.tree_map(lambda a, b, s=s: a.at[s.local].set(b, mode='drop'), stack, new)
+      for stack, new, s in zip(state.clients, new_sel, slots))
+  loss = sum(jnp.sum(jnp.where(s.valid, l, 0.0)) for s, l in zip(slots, losses)) / m
+  return FedState(clients=clients, server=server, round=state.round + 1), {'loss': loss, 'lr': lr}
+
+
 def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) -> None:
   """Raises a ValueError naming the bad setting, before anything is compiled."""
-  if algo is not None and not cfg.drop_last and not algo.ragged_batches:
+  if algo is not None and not cfg.drop_last and not all(
+      c.client.ragged_batches for c in cohorts(algo, num_clients)):
     raise ValueError(f'drop_last = False is invalid for algorithm {algo.name!r}: its local step '
                      "ignores batch['mask'], so the ragged last batch would train on filler rows")
   if not 1 <= cfg.clients_per_round <= num_clients:
@@ -111,8 +176,17 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
     raise ValueError(f'local_epochs = {cfg.local_epochs} is invalid: must be >= 1')
   if cfg.batch_size < 1:
     raise ValueError(f'batch_size = {cfg.batch_size} is invalid: must be >= 1')
-  strategies.check_participants(strategies.resolve_strategy(cfg.strategy), cfg.clients_per_round,
-                                cfg.map_chunk_size)
+  strategy = strategies.resolve_strategy(cfg.strategy)
+  if algo is not None and algo.cohorts:
+    members = sorted(i for c in algo.cohorts for i in c.members)
+    if members != list(range(num_clients)):
+      raise ValueError(f'the cohorts of algorithm {algo.name!r} hold clients {members}: they must '
+                       f'hold each of the {num_clients} clients exactly once')
+    for c in algo.cohorts:
+      strategies.check_participants(strategy, min(cfg.clients_per_round, len(c.members)),
+                                    cfg.map_chunk_size)
+  else:
+    strategies.check_participants(strategy, cfg.clients_per_round, cfg.map_chunk_size)
 
 
 def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, donate: bool = True
@@ -121,26 +195,48 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
 
   `round_key` should be `rng.round_key(root_key, round_idx)`; everything random in the round derives
   from it. The incoming state's buffers are donated (no second copy of the stacked client state).
+
+  Participants are sampled over all clients. With cohorts, each cohort trains its own participants
+  in min(m, C_c) static slots under the same strategy; a participant's keys depend only on its
+  global id, so grouping clients into cohorts changes no random number.
   """
   validate(cfg, num_clients, algo)
   strategy = strategies.resolve_strategy(cfg.strategy)
-  per_client = client_round_fn(algo, cfg)
   m = cfg.clients_per_round
+  groups = cohorts(algo, num_clients)
+  fns = tuple(client_round_fn(algo, cfg, c.client) for c in groups)
+
+  def train(fn, stack, slots, data, key, msg, lr):
+    sel = jax.tree_util.tree_map(lambda a: a[slots.local], stack)
+    ckeys = jax.vmap(lambda c: rng.client_key(key, c))(slots.ids)
+    n_sel = data.n[slots.ids]
+    out = strategies.map_clients(
+        fn, (sel, data.x[slots.ids], data.y[slots.ids], n_sel, ckeys, slots.ids), (msg, lr),
+        strategy=strategy, chunk_size=cfg.map_chunk_size)
+    return (n_sel,) + tuple(out)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids = sample_participants(key, data.num_clients, m)
     server = _prepare(algo, state, data, ids, key)
-    msg = algo.broadcast(server)
+    msg = _broadcast(algo, server, data)
     lr = cfg.lr_fn(state.round)
-    sel = jax.tree_util.tree_map(lambda a: a[ids], state.clients)
-    ckeys = jax.vmap(lambda c: rng.client_key(key, c))(ids)
-    n_sel = data.n[ids]
-    new_sel, payloads, losses = strategies.map_clients(
-        per_client, (sel, data.x[ids], data.y[ids], n_sel, ckeys, ids), (msg, lr),
-        strategy=strategy, chunk_size=cfg.map_chunk_size)
-    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
+    if not algo.cohorts:
+      slots = cohort_slots(ids, groups[0], num_clients, m)
+      n_sel, new_sel, payloads, losses = train(fns[0], state.clients, slots, data, key, msg, lr)
+      return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
+    slots = tuple(cohort_slots(ids, c, num_clients, m) for c in groups)
+    outs = [train(f, st, s, data, key, msg, lr) for f, st, s in zip(fns, state.clients, slots)]
+    n_sel, new_sel, payloads, losses = (tuple(o[i] for o in outs) for i in range(4))
+    return _finish_cohort_round(algo, state, server, slots, n_sel, new_sel, payloads, losses, lr,
+                                m)
 
   return jax.jit(round_step, donate_argnums=(0,) if donate else ())
+
+
+def _check_plain(algo: Algorithm, what: str) -> None:
+  if algo.cohorts:
+    raise ValueError(f'{what} runs single-architecture algorithms; {algo.name!r} has '
+                     f'{len(algo.cohorts)} cohorts (use make_round_step)')
 
 
 def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, Callable]:
@@ -150,7 +246,7 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
   def prepare(state, data, key):
     ids = sample_participants(key, data.num_clients, cfg.clients_per_round)
     server = _prepare(algo, state, data, ids, key)
-    return ids, server, algo.broadcast(server), cfg.lr_fn(state.round)
+    return ids, server, _broadcast(algo, server, data), cfg.lr_fn(state.round)
 
   @jax.jit
   def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr):
@@ -162,6 +258,7 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
 def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
   """Same round, clients one at a time from Python: one jitted call per participant, then a jitted
   aggregation. Used as the benchmark baseline (the FedJAX `for_each_client` / PyTorch-loop way)."""
+  _check_plain(algo, 'make_sequential_round_step')
   validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
   per_client = jax.jit(client_round_fn(algo, cfg))
   prepare, finish = _loop_prepare_finish(algo, cfg)
@@ -184,6 +281,7 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   Python loop over its real local steps (E * steps_per_epoch(n)), each batch gathered from host memory
   with numpy and passed to one jitted step call, then a jitted `end`/`upload`; a jitted aggregation
   last. Batches and keys are those of `local.train_client`, so the numbers are the same."""
+  _check_plain(algo, 'make_stepwise_round_step')
   validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
   bsz, epochs = cfg.batch_size, cfg.local_epochs
   prepare, finish = _loop_prepare_finish(algo, cfg)
@@ -201,7 +299,7 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   @jax.jit
   def end(start, trained, msg):
     trained = algo.end(start, trained, msg)
-    return trained, algo.upload(trained)
+    return trained, algo.upload(trained, msg)
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, server, msg_all, lr = prepare(state, data, key)

@@ -1,0 +1,256 @@
+"""Hetero-SSFL (Makhija, Ho, Ghosh, "Federated Self-supervised Learning for Heterogeneous Clients",
+arXiv 2205.12493): clients of different architectures keep personal models and align them through
+the kernels of their representations on a public Representation Alignment Dataset (RAD).
+
+Round t (decisions A1-A28 in BUILD_NOTES "Hetero-SSFL"):
+  prepare    round 0: the server's cache of every client's RAD representation A_j = Φ_j(X) [L, d_j]
+             (online predictor output, A7) is filled from the initial models (A27); afterwards it
+             holds each client's latest upload, stale for non-participants (Algorithm 1, A4).
+             mu_t = mu (constant) or mu * sqrt(t) (FedHeNN's schedule, flag).
+  broadcast  K̄ = Σ_j w_j A_j A_jᵀ over all clients with w_j = 1/N (A3, A5, A6), or over the last
+             round's uploaders only (`kbar_clients='participants'`, FedHeNN); as the L x L kernel
+             (`broadcast='kernel'`) or as the cached representations (`'representations'`, memory
+             O(L Σ d_j) instead of O(L²)). Feature averaging Φ̄ = Σ w_j A_j, K̄ = Φ̄Φ̄ᵀ is the flag
+             `average='features'` (v001 Eq. 2; needs one width). The RAD images go out too.
+  local      the method's own SSL loss (BYOL; SimSiam as a flag) + mu_t · d on every step, where
+             d = 1 - CKA_c(A Aᵀ, K̄[R, R]) for A = Φ_i(X_R) on a fresh random RAD sub-batch R of
+             b_R = `rad_batch` points (A8; b_R = L is FedHeNN's exact full-RAD mode), centred per
+             sub-block (A1, A2; `centered=False` and `sign='similarity'`, i.e. + mu·CKA as v000
+             writes it, are the literal alternatives). BatchNorm on RAD passes: train-mode batch
+             statistics whose running-average update is discarded (A9), or eval mode (flag).
+             Optimiser reset every round (A14). No global model: every client keeps its own.
+  upload     A_i = Φ_i(X) on the whole RAD after training, in consecutive chunks of b_R rows (so
+             train-mode BatchNorm sees batches of the size the loss used).
+  aggregate  the server writes the uploads into its cache.
+
+`mu = 0` is standalone local SSL (Table 4/7's "Local SSL"): nothing is computed on the RAD and
+nothing is exchanged.
+"""
+from __future__ import annotations
+
+from typing import Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.algorithms import fedavg, ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, Cohort
+from fedjax_ssl.data import augment
+from fedjax_ssl.ops import cka
+
+SIGNS = ('distance', 'similarity')
+AVERAGES = ('kernels', 'features')
+KBAR_CLIENTS = ('all', 'participants')
+BN_MODES = ('train', 'eval')
+MU_SCHEDULES = ('constant', 'sqrt')
+BROADCASTS = ('kernel', 'representations')
+METHODS = ('byol', 'simsiam')
+# fold_in tag of the RAD sub-batch draw inside a step key (the views never use it).
+RAD_STREAM = 0x4AD
+
+
+def rad_representations(spec: ssl_client.ClientSpec, variables, rad_x: jax.Array, *,
+                        bn_mode: str) -> jax.Array:
+  """Φ(X): the online predictor output of un-augmented RAD images, in one forward pass.
+
+  Args:
+    variables: {'params', 'batch_stats'} of the client's online network.
+    rad_x: uint8 [b, H, W, C].
+    bn_mode: 'train' (batch statistics of these b images; the running statistics are not
+      updated, A9) or 'eval' (running statistics).
+  Returns:
+    float [b, d].
+  """
+  x = augment.normalize(augment.to_float(rad_x), spec.mean, spec.std)
+  if bn_mode == 'train':
+    out, _ = spec.model.apply(variables, x, train=True, mutable=['batch_stats'])
+  else:
+    out = spec.model.apply(variables, x, train=False)
+  return out['p']
+
+
+def upload_representations(spec: ssl_client.ClientSpec, variables, rad_x: jax.Array, *,
+                           bn_mode: str, chunk: int) -> jax.Array:
+  """Φ(X) of the whole RAD [L, d], `chunk` consecutive rows per pass (L % chunk == 0)."""
+  num = rad_x.shape[0] // chunk
+  chunks = rad_x.reshape((num, chunk) + rad_x.shape[1:])
+  out = jax.lax.map(lambda c: rad_representations(spec, variables, c, bn_mode=bn_mode), chunks)
+  return out.reshape((num * chunk,) + out.shape[2:])
+
+
+def _variables(client):
+  return {'params': client['params'], 'batch_stats': client['batch_stats']}
+
+
+def rad_indices(key: jax.Array, rad_size: int, rad_batch: int) -> jax.Array:
+  """int32 [b_R]: a uniform sub-batch of the RAD without replacement (all of it when b_R = L)."""
+  if rad_batch == rad_size:
+    return jnp.arange(rad_size, dtype=jnp.int32)
+  return jax.random.choice(key, rad_size, (rad_batch,), replace=False).astype(jnp.int32)
+
+
+def alignment_penalty(a: jax.Array, msg, rows: jax.Array, *, sign: str, centered: bool
+                      ) -> jax.Array:
+  """d(A, K̄[R, R]) for a client's RAD sub-batch representation a [b_R, d].
+
+  msg holds either 'kbar' [L, L] or 'reps' (per cohort [C_c, L, d_c]) with 'weights' (per cohort
+  [C_c]); both give the same value (ops.cka). sign 'distance' is 1 - CKA, 'similarity' is + CKA.
+  """
+  if 'kbar' in msg:
+    kbar = msg['kbar'][rows][:, rows]
+    dist = cka.cka_distance_to_kernel(a, kbar, centered=centered)
+  else:
+    others = tuple(r[:, rows] for r in msg['reps'])
+    dist = cka.cka_distance_to_aggregate(a, others, msg['weights'], centered=centered)
+  return dist if sign == 'distance' else 1.0 - dist
+
+
+def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[Sequence[int]], *,
+         rad_size: int, mu: float, rad_batch: int = 0, mu_schedule: str = 'constant',
+         sign: str = 'distance', centered: bool = True, average: str = 'kernels',
+         kbar_clients: str = 'all', bn_mode: str = 'train', broadcast: str = 'kernel'
+         ) -> Algorithm:
+  """Hetero-SSFL over one cohort per architecture.
+
+  Args:
+    specs: (name, ClientSpec) per cohort; method 'byol' or 'simsiam', predictor output widths
+      may differ (they must agree for average='features').
+    members: sorted global client ids of each cohort; together every client exactly once.
+    rad_size: L, the public set's size (FedData.public_x has L rows).
+    mu: weight of the alignment term (0 = standalone local SSL).
+    rad_batch: b_R RAD points per local step and per upload pass (0 = L, the exact mode); must
+      divide L.
+    mu_schedule, sign, centered, average, kbar_clients, bn_mode, broadcast: see the module
+      docstring; the defaults are the recommended decisions.
+  """
+  b_r = rad_batch or rad_size
+  for key, value, allowed in (('mu_schedule', mu_schedule, MU_SCHEDULES), ('sign', sign, SIGNS),
+                              ('average', average, AVERAGES),
+                              ('kbar_clients', kbar_clients, KBAR_CLIENTS),
+                              ('bn_mode', bn_mode, BN_MODES), ('broadcast', broadcast, BROADCASTS)):
+    if value not in allowed:
+      raise ValueError(f'hetero_ssfl.{key} = {value!r} is invalid: must be one of {allowed}')
+  for name, spec in specs:
+    if spec.method not in METHODS:
+      raise ValueError(f'ssl_method {spec.method!r} is invalid for Hetero-SSFL (cohort {name!r}): '
+                       f'must be one of {METHODS} (the representation is the predictor output)')
+  if mu < 0:
+    raise ValueError(f'hetero_ssfl.mu = {mu!r} is invalid: must be >= 0')
+  if not 1 <= b_r <= rad_size or rad_size % b_r:
+    raise ValueError(f'hetero_ssfl.rad_batch = {rad_batch} is invalid: must divide the RAD size '
+                     f'{rad_size} (0 = all of it)')
+  num_clients = sum(len(m) for m in members)
+  align = mu > 0
+  widths = tuple(_pred_width(spec) for _, spec in specs)
+  if average == 'features' and len(set(widths)) > 1:
+    raise ValueError(f"hetero_ssfl.average = 'features' is invalid with representation widths "
+                     f'{widths}: averaging features needs one width; use \'kernels\'')
+
+  def client_algo(name, spec):
+    def init(key, num):
+      return jax.vmap(lambda k: ssl_client.init_client(spec, k))(jax.random.split(key, num)), {}
+
+    def begin(client, msg, key):
+      del msg, key
+      return fedavg.mark_participated(ssl_client.begin_round(spec, client))
+
+    def local_step(client, batch, key, msg, lr):
+      if not align:
+        return ssl_client.local_step(spec, client, batch, key, msg, lr)
+      rows = rad_indices(jax.random.fold_in(key, RAD_STREAM), rad_size, b_r)
+      rad_x = msg['public_x'][rows]
+
+      def extra(params):
+        a = rad_representations(spec, {'params': params, 'batch_stats': client['batch_stats']},
+                                rad_x, bn_mode=bn_mode)
+        return msg['mu'] * alignment_penalty(a, msg, rows, sign=sign, centered=centered)
+      return ssl_client.local_step(spec, client, batch, key, msg, lr, extra_loss=extra)
+
+    def upload(client, msg):
+      if not align:
+        return {}
+      return upload_representations(spec, _variables(client), msg['public_x'], bn_mode=bn_mode,
+                                    chunk=b_r)
+
+    return Algorithm(
+        name=f'hetero_ssfl/{name}', init=init, broadcast=lambda server: server, begin=begin,
+        local_step=local_step, end=lambda start, client, msg: client, upload=upload,
+        aggregate=lambda server, payloads, weights: server,
+        eval_variables=lambda state: (_variables(state.clients), True),
+        encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                            train=False),
+        personalized=True)
+
+  cohorts = tuple(Cohort(name, tuple(int(i) for i in m), client_algo(name, spec))
+                  for (name, spec), m in zip(specs, members))
+
+  def init(key, num):
+    del num
+    keys = jax.random.split(key, len(cohorts))
+    clients = tuple(c.client.init(k, len(c.members))[0] for c, k in zip(cohorts, keys))
+    if not align:
+      return clients, {}
+    server = {'reps': tuple(jnp.zeros((len(c.members), rad_size, w), jnp.float32)
+                            for c, w in zip(cohorts, widths)),
+              # 1 for the clients whose representation entered the last upload (all at round 0).
+              'fresh': jnp.ones((num_clients,), jnp.float32),
+              'mu': jnp.zeros((), jnp.float32)}
+    return clients, server
+
+  def prepare(state, data, ids, key):
+    del ids, key
+
+    def initial():  # A27: K̄ of round 0 from the initial models of every client
+      return tuple(jax.lax.map(lambda c, s=spec: upload_representations(
+          s, _variables(c), data.public_x, bn_mode=bn_mode, chunk=b_r), stack).astype(r.dtype)
+                   for (_, spec), stack, r in zip(specs, state.clients, state.server['reps']))
+    reps = jax.lax.cond(state.round == 0, initial, lambda: state.server['reps'])
+    t = state.round.astype(state.server['mu'].dtype)
+    mu_t = mu * (jnp.sqrt(t) if mu_schedule == 'sqrt' else jnp.ones_like(t))
+    return dict(state.server, reps=reps, mu=mu_t)
+
+  def weights(server):
+    """w_j per cohort [C_c]: 1/N over every client, or 1/|last uploaders| over those."""
+    w = (jnp.ones_like(server['fresh']) if kbar_clients == 'all' else server['fresh'])
+    w = w / jnp.sum(w)
+    return tuple(w[jnp.asarray(c.members)] for c in cohorts)
+
+  def broadcast_fn(server):
+    w = weights(server)
+    reps = server['reps']
+    if average == 'features':
+      phibar = sum(jnp.einsum('j,jld->ld', wc, r) for wc, r in zip(w, reps))
+      reps, w = (phibar[None],), (jnp.ones((1,), phibar.dtype),)
+    if broadcast == 'kernel':
+      return {'kbar': cka.aggregate_kernel(reps, w), 'mu': server['mu']}
+    return {'reps': reps, 'weights': w, 'mu': server['mu']}
+
+  def aggregate(server, payloads, weights_, slots):
+    del weights_
+    reps = tuple(r.at[s.local].set(p.astype(r.dtype), mode='drop')
+                 for r, p, s in zip(server['reps'], payloads, slots))
+    fresh = jnp.zeros_like(server['fresh'])
+    for s in slots:
+      fresh = fresh.at[jnp.where(s.valid, s.ids, num_clients)].set(1.0, mode='drop')
+    return dict(server, reps=reps, fresh=fresh)
+
+  def eval_variables(state):
+    return tuple(_variables(stack) for stack in state.clients), True
+
+  return Algorithm(
+      name='hetero_ssfl', init=init, broadcast=broadcast_fn if align else (lambda server: {}),
+      begin=None, local_step=None, end=None, upload=None,
+      aggregate=aggregate if align else (lambda server, payloads, weights_, slots: server),
+      eval_variables=eval_variables, encoder_apply=None, personalized=True,
+      prepare=prepare if align else None, uses_public=align, cohorts=cohorts)
+
+
+def _pred_width(spec: ssl_client.ClientSpec) -> int:
+  """Width d of the predictor output, traced abstractly (no parameters are allocated)."""
+  x = jax.ShapeDtypeStruct((2,) + tuple(spec.input_shape), jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+  def apply(k, v):
+    variables = spec.model.init(k, v, train=False)
+    return spec.model.apply(variables, v, train=False)['p']
+  return int(jax.eval_shape(apply, key, x).shape[-1])
