@@ -137,7 +137,7 @@ def _config(**hetero):
   c = experiment.default_config()
   c.update(dict(dataset='fashion_mnist_subset', algorithm='hetero_ssfl', num_clients=5,
                 clients_per_round=5, partition='classes', classes_per_client=2, public_size=100,
-                batch_size=32, knn_k=10))
+                batch_size=32, knn_k=10, heads='custom'))
   c.hetero_ssfl.update(dict(dict(mix='small_cnn:3,mlp:2', rad_batch=50), **hetero))
   return c
 

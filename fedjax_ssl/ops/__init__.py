@@ -9,5 +9,10 @@
   privacy.py   DP-CalR's Gaussian noise and its privacy ledger on Google's dp-accounting
                (`sensitivity`, `epsilon`, `calibrate_sigma`, `PrivacyLedger`)
 
-CKA (Hetero-SSFL) and prototypes (representation sharing) arrive with their methods.
+  cka.py       Hetero-SSFL's centred kernel alignment: `linear_cka` (feature-space form), `rbf_cka`,
+               `aggregate_kernel` (K̄ = Σ w_j A_j A_jᵀ), `cka_distance_to_kernel` (1 - CKA against a
+               given kernel) and `cka_distance_to_aggregate` (the same from the feature matrices, memory
+               O(Σ d_j²) instead of O(L²))
+
+Prototypes (representation sharing) arrive with their method.
 """
