@@ -242,7 +242,7 @@ def hetero_ssfl_config() -> ml_collections.ConfigDict:
   h.sign = 'distance'             # distance 1 - CKA (A1) | similarity + CKA (v000 literal)
   h.centered = True               # False: the paper's uncentred formula (A2)
   h.average = 'kernels'           # kernels K̄ = Σ w K (A3) | features Φ̄ = Σ w Φ (v001 Eq. 2)
-  h.kbar_clients = 'all'          # all (stale cache, A4) | participants (last round's, FedHeNN)
+  h.kbar_clients = 'all'          # all (stale cache, A4) | participants (this round's, FedHeNN)
   h.bn_mode = 'train'             # BatchNorm on RAD passes: train batch stats (A9) | eval
   h.broadcast = 'kernel'          # what K̄ travels as: kernel [L, L] | representations [N, L, d]
   return h
@@ -306,7 +306,15 @@ def _validate_hetero_ssfl(config: ml_collections.ConfigDict) -> None:
     raise cv.ConfigError(f'config.hetero_ssfl.centered = {h.centered!r} is invalid: must be a bool')
   cv.check_float_range('hetero_ssfl.mu', h.mu, 0.0, None)
   cv.check_int_range('hetero_ssfl.rad_batch', h.rad_batch, 0, 10_000_000)
-  hetero_cohorts(config)
+  groups = hetero_cohorts(config)
+  strategy = strategies.resolve_strategy(config.strategy)
+  for name, members in groups:  # each cohort fills min(m, C_k) slots under the strategy
+    try:
+      strategies.check_participants(strategy, min(config.clients_per_round, len(members)),
+                                    config.map_chunk_size)
+    except ValueError as e:
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: cohort {name!r} trains '
+                           f'{min(config.clients_per_round, len(members))} slots per round: {e}') from None
   if h.mu > 0:
     if config.public_size < 1:
       raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid for Hetero-SSFL '

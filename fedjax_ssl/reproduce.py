@@ -47,7 +47,8 @@ def cohort_metric(metric: str) -> Optional[Tuple[str, str]]:
   """(base metric, cohort) for a per-architecture metric such as 'probe_acc_resnet18' (the mean
   over that cohort's clients, experiment.evaluate), else None."""
   for base in sorted(METRICS, key=len, reverse=True):
-    if metric.startswith(base + '_') and len(metric) > len(base) + 1:
+    if (metric.startswith(base + '_') and len(metric) > len(base) + 1
+        and metric != base + '_clients'):  # the per-client list, not a cohort
       return base, metric[len(base) + 1:]
   return None
 
@@ -299,8 +300,9 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
       for run, status, payload in entries:
         if status == 'done':
           if metric not in payload['final']:
-            # A per-architecture metric exists only for runs with that cohort (not baselines).
-            if cohort_metric(metric) is None:
+            # A per-architecture metric exists only for runs with cohorts (not for baselines); a
+            # run with cohorts but without this one has a misspelled cohort name.
+            if cohort_metric(metric) is None or 'cohorts' in payload:
               errors.append(f'seed {run.seed}: results have no {metric!r}')
             continue
           values.append(100.0 * payload['final'][metric])

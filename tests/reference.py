@@ -139,7 +139,7 @@ def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx,
   Who belongs to which architecture comes from `algo.cohorts`; each participant (in client-id
   order) is trained by its cohort's per-client functions (`train_participant`). The server:
   round 0 fills the cache with every client's upload of its initial model (A27); K̄ = Σ_j w_j A_j
-  A_jᵀ with w_j = 1/N over all clients (or 1/m over the last uploaders), built in float64 from the
+  A_jᵀ with w_j = 1/N over all clients (or 1/m over this round's participants), built in float64 from the
   cached representations; the participants' uploads replace their cache entries.
 
   Returns (clients tuple, server, mean loss).
@@ -149,15 +149,17 @@ def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx,
   take = lambda cid: _take(clients[where[cid][0]], where[cid][1])
   ids = [int(i) for i in np.asarray(sample_participants(key, num_clients, clients_per_round))]
   reps = [np.array(r, np.float64) for r in server['reps']]
-  fresh = np.asarray(server['fresh'], np.float64)
   rad = np.asarray(data.public_x)
   if round_idx == 0:
     for cid in range(num_clients):
       k, j = where[cid]
       reps[k][j] = np.asarray(algo.cohorts[k].client.upload(take(cid), {'public_x': rad}))
   mu_t = mu * (np.sqrt(round_idx) if mu_schedule == 'sqrt' else 1.0)
-  w = np.ones(num_clients) if kbar_clients == 'all' else fresh
-  w = w / w.sum()
+  in_kbar = np.ones(num_clients)
+  if kbar_clients == 'participants':  # this round's participants, from their cached representation
+    in_kbar = np.zeros(num_clients)
+    in_kbar[ids] = 1.0
+  w = in_kbar / in_kbar.sum()
   feats = [reps[where[cid][0]][where[cid][1]] for cid in range(num_clients)]
   if average == 'features':
     feats, w = [sum(wj * a for wj, a in zip(w, feats))], np.ones(1)
@@ -192,10 +194,8 @@ def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx,
       return out
     out_clients.append(jax.tree_util.tree_map(
         scatter, clients[k], *[new.get(g, _take(clients[k], j)) for j, g in enumerate(c.members)]))
-  fresh = np.zeros(num_clients)
-  fresh[ids] = 1.0
   server = dict(server, reps=tuple(r.astype(np.asarray(server['reps'][0]).dtype) for r in reps),
-                fresh=fresh.astype(np.asarray(server['fresh']).dtype),
+                in_kbar=in_kbar.astype(np.asarray(server['in_kbar']).dtype),
                 mu=np.asarray(mu_t, dtype))
   return tuple(out_clients), server, float(np.mean(losses))
 

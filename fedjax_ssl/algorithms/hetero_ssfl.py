@@ -6,11 +6,14 @@ Round t (decisions A1-A28 in BUILD_NOTES "Hetero-SSFL"):
   prepare    round 0: the server's cache of every client's RAD representation A_j = Φ_j(X) [L, d_j]
              (online predictor output, A7) is filled from the initial models (A27); afterwards it
              holds each client's latest upload, stale for non-participants (Algorithm 1, A4).
-             mu_t = mu (constant) or mu * sqrt(t) (FedHeNN's schedule, flag).
-  broadcast  K̄ = Σ_j w_j A_j A_jᵀ over all clients with w_j = 1/N (A3, A5, A6), or over the last
-             round's uploaders only (`kbar_clients='participants'`, FedHeNN); as the L x L kernel
-             (`broadcast='kernel'`) or as the cached representations (`'representations'`, memory
-             O(L Σ d_j) instead of O(L²)). Feature averaging Φ̄ = Σ w_j A_j, K̄ = Φ̄Φ̄ᵀ is the flag
+             mu_t = mu (constant) or mu * sqrt(t) with the round index t counted from 0 as
+             FedHeNN's code does (`mu_schedule='sqrt'`: mu_t = 0 in the first round).
+  broadcast  K̄ = Σ_j w_j A_j A_jᵀ over all clients with w_j = 1/N (A3, A5, A6), or over this
+             round's participants only, from their cached (= current) representations
+             (`kbar_clients='participants'`, FedHeNN); as the L x L kernel (`broadcast='kernel'`)
+             or as the cached representations (`'representations'`: memory O(L Σ d_j) instead of
+             O(L²), but every step then costs O(b_R (Σ d_j)²) for ‖K̄_R‖², so it only pays for a
+             few narrow clients). Feature averaging Φ̄ = Σ w_j A_j, K̄ = Φ̄Φ̄ᵀ is the flag
              `average='features'` (v001 Eq. 2; needs one width). The RAD images go out too.
   local      the method's own SSL loss (BYOL; SimSiam as a flag) + mu_t · d on every step, where
              d = 1 - CKA_c(A Aᵀ, K̄[R, R]) for A = Φ_i(X_R) on a fresh random RAD sub-batch R of
@@ -136,11 +139,11 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
                        f'must be one of {METHODS} (the representation is the predictor output)')
   if mu < 0:
     raise ValueError(f'hetero_ssfl.mu = {mu!r} is invalid: must be >= 0')
-  if not 1 <= b_r <= rad_size or rad_size % b_r:
+  align = mu > 0
+  if align and (not 1 <= b_r <= rad_size or rad_size % b_r):
     raise ValueError(f'hetero_ssfl.rad_batch = {rad_batch} is invalid: must divide the RAD size '
                      f'{rad_size} (0 = all of it)')
   num_clients = sum(len(m) for m in members)
-  align = mu > 0
   widths = tuple(_pred_width(spec) for _, spec in specs)
   if average == 'features' and len(set(widths)) > 1:
     raise ValueError(f"hetero_ssfl.average = 'features' is invalid with representation widths "
@@ -192,13 +195,13 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
       return clients, {}
     server = {'reps': tuple(jnp.zeros((len(c.members), rad_size, w), jnp.float32)
                             for c, w in zip(cohorts, widths)),
-              # 1 for the clients whose representation entered the last upload (all at round 0).
-              'fresh': jnp.ones((num_clients,), jnp.float32),
+              # 1 for the clients whose representation enters this round's K̄.
+              'in_kbar': jnp.ones((num_clients,), jnp.float32),
               'mu': jnp.zeros((), jnp.float32)}
     return clients, server
 
   def prepare(state, data, ids, key):
-    del ids, key
+    del key
 
     def initial():  # A27: K̄ of round 0 from the initial models of every client
       return tuple(jax.lax.map(lambda c, s=spec: upload_representations(
@@ -207,12 +210,14 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
     reps = jax.lax.cond(state.round == 0, initial, lambda: state.server['reps'])
     t = state.round.astype(state.server['mu'].dtype)
     mu_t = mu * (jnp.sqrt(t) if mu_schedule == 'sqrt' else jnp.ones_like(t))
-    return dict(state.server, reps=reps, mu=mu_t)
+    in_kbar = jnp.ones_like(state.server['in_kbar'])
+    if kbar_clients == 'participants':
+      in_kbar = jnp.zeros_like(in_kbar).at[ids].set(1.0)
+    return dict(state.server, reps=reps, mu=mu_t, in_kbar=in_kbar)
 
   def weights(server):
-    """w_j per cohort [C_c]: 1/N over every client, or 1/|last uploaders| over those."""
-    w = (jnp.ones_like(server['fresh']) if kbar_clients == 'all' else server['fresh'])
-    w = w / jnp.sum(w)
+    """w_j per cohort [C_c]: 1/N over every client, or 1/m over this round's participants."""
+    w = server['in_kbar'] / jnp.sum(server['in_kbar'])
     return tuple(w[jnp.asarray(c.members)] for c in cohorts)
 
   def broadcast_fn(server):
@@ -229,10 +234,7 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
     del weights_
     reps = tuple(r.at[s.local].set(p.astype(r.dtype), mode='drop')
                  for r, p, s in zip(server['reps'], payloads, slots))
-    fresh = jnp.zeros_like(server['fresh'])
-    for s in slots:
-      fresh = fresh.at[jnp.where(s.valid, s.ids, num_clients)].set(1.0, mode='drop')
-    return dict(server, reps=reps, fresh=fresh)
+    return dict(server, reps=reps)
 
   def eval_variables(state):
     return tuple(_variables(stack) for stack in state.clients), True
