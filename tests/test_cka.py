@@ -355,3 +355,17 @@ def test_float32_jit_within_the_rounding_bound():
   assert max(lin_tol, agg_tol) < 1e-3   # tight enough to catch a computation in a lower precision
   assert abs(float(lin) - lin_want) <= lin_tol
   assert abs(float(agg) - (1.0 - agg_cka)) <= agg_tol
+
+
+def test_aggregate_at_paper_scale_builds_no_l_by_l_buffer():
+  """L = 5000 RAD points, 5 clients of width 2048 (the paper's setting), compiled abstractly (no
+  compute): no [L, L] buffer in the program, and its scratch memory (measured 807 MiB on XLA:CPU) is set
+  by the pairwise Grams, not by L."""
+  a = jax.ShapeDtypeStruct((5000, 2048), jnp.float32)
+  others = (jax.ShapeDtypeStruct((5, 5000, 2048), jnp.float32),)
+  weights = (jax.ShapeDtypeStruct((5,), jnp.float32),)
+  compiled = jax.jit(cka.cka_distance_to_aggregate).lower(a, others, weights).compile()
+  assert '5000,5000' not in compiled.as_text()
+  # Scratch = a few copies of the 5 x 5 x 2048 x 2048 float32 pairwise Grams (420 MB each), which do
+  # not grow with L; an L² buffer at L = 5000 would add 100 MB per copy.
+  assert compiled.memory_analysis().temp_size_in_bytes < 3 * 5 * 5 * 2048 * 2048 * 4
