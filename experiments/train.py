@@ -53,7 +53,7 @@ def _scalars(results: dict) -> dict:
   return {k: v for k, v in results.items() if not isinstance(v, list)}
 
 
-_EVAL_KEYS = ('knn_acc', 'probe_acc', 'probe_std_acc')
+_EVAL_KEYS = ('test_acc', 'knn_acc', 'probe_acc', 'probe_std_acc')
 
 
 def _metrics_text(record: dict) -> str:
@@ -107,7 +107,8 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
         f'{privacy_summary["planned_epsilon"]:.3f} (delta {privacy_summary["delta"]}, '
         f'{privacy_summary["accountant"]}, {privacy_summary["adjacency"]}, up to '
         f'{privacy_summary["planned_shares_max"]} shares per client)')
-  round_step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
+  round_cfg = experiment.round_config(config)
+  round_step = rd.make_round_step(algo, round_cfg, config.num_clients)
   devices = jax.device_count()
   encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
               else config.encoder)
@@ -118,6 +119,10 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
 
   init_key, run_key = experiment.run_keys(config)
   state = rd.init_state(algo, init_key, config.num_clients)
+  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
+  say('communication per participant and round: ' + ', '.join(
+      f'{c.name}: up {b.up:,} B, down {b.down:,} B'
+      for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
 
   random_init_path = workdir / 'random_init.json'
   if random_init_path.exists():
@@ -160,7 +165,7 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
       final = experiment.evaluate(config, algo, state, dataset)
       record.update(_scalars(final))
     elif config.eval_every and (r + 1) % config.eval_every == 0:
-      record.update(experiment.evaluate(config, algo, state, dataset, probe=False))
+      record.update(_scalars(experiment.evaluate(config, algo, state, dataset, probe=False)))
     else:
       evaluated = False
     # One record per round, written before that round's checkpoint: a resumed run truncates the
@@ -189,25 +194,47 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if privacy_summary:
     results['privacy'] = dict(privacy_summary, epsilon=final['epsilon'])
+  records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+  results['communication'] = _communication(algo, config, per_participant, records)
   _write_json(workdir / 'results.json', results)
 
-  records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
-  accs = ['knn_acc', 'probe_acc'] + (['probe_std_acc'] if 'probe_std_acc' in final else [])
+  accs = [k for k in _EVAL_KEYS if k in final]
   plotting.plot_metrics(
       records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
       hlines={k: {'random-init encoder': random_init[k]} for k in accs if k in random_init})
-  say(f'linear probe accuracy: trained encoder {final.get("probe_acc", float("nan")):.4f} | '
-      f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
+  if 'test_acc' in final:
+    say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '
+        f'{random_init.get("test_acc", float("nan")):.4f}')
+  comm = results['communication']
+  say(f'communication: {comm["bytes_up_total"]:,.0f} B up, {comm["bytes_down_total"]:,.0f} B down '
+      f'in {config.rounds} rounds')
+  if 'probe_acc' in final:
+    say(f'linear probe accuracy: trained encoder {final["probe_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
   if 'probe_std_acc' in final:
     say(f'standardised probe:    trained encoder {final["probe_std_acc"]:.4f} | '
         f'random-init encoder {random_init.get("probe_std_acc", float("nan")):.4f}  '
         f'({config.probe_std_epochs} epochs on z-scored features)')
-  say(f'kNN accuracy:          trained encoder {final.get("knn_acc", float("nan")):.4f} | '
-      f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
+  if 'knn_acc' in final:
+    say(f'kNN accuracy:          trained encoder {final["knn_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
   say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
       f'log: {workdir / LOG_FILE}')
   return results
+
+
+def _communication(algo, config, per_participant, records) -> dict:
+  """results.json's communication entry: exact per-participant bytes of each cohort, and the
+  run's totals summed from the per-round metrics."""
+  rounds = [r for r in records if 'bytes_up' in r]
+  return {
+      'per_participant': {c.name: {'up': b.up, 'down': b.down}
+                          for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)},
+      'bytes_up_total': float(sum(r['bytes_up'] for r in rounds)),
+      'bytes_down_total': float(sum(r['bytes_down'] for r in rounds)),
+      'rounds_counted': len(rounds),
+  }
 
 
 def main(argv):

@@ -28,8 +28,8 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import eval as fs_eval
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import (fedavg, fedema, fedsc, fedu, fedu2, hetero_ssfl, independent,
-                                   ssl_client)
+from fedjax_ssl.algorithms import (fd, fedavg, fedema, fedsc, fedu, fedu2, hetero_ssfl, independent,
+                                   repshare, ssl_client)
 from fedjax_ssl.algorithms.base import Algorithm
 from fedjax_ssl.core import optim, rng, strategies
 from fedjax_ssl.core import round as rd
@@ -39,8 +39,8 @@ from fedjax_ssl.data import augment, partition, sources
 from fedjax_ssl.data.types import Dataset, FedData
 from fedjax_ssl.ops import min_norm, privacy, uot
 
-ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'independent',
-              'centralized')
+ALGORITHMS = ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare', 'fd',
+              'independent', 'centralized')
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 
@@ -60,7 +60,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.classes_per_client = 2        # 'classes' partition
   c.public_size = 0               # public / RAD set carved out before partitioning
   # Method.
-  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | fedsc | hetero_ssfl | independent | centralized
+  c.algorithm = 'fedavg'          # fedavg | fedu | fedema | fedu2 | fedsc | hetero_ssfl | repshare | fd | independent | centralized
   c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
@@ -81,6 +81,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.fedu2 = fedu2_config()
   c.fedsc = fedsc_config()
   c.hetero_ssfl = hetero_ssfl_config()
+  c.repshare = repshare_config()
+  c.fd = fd_config()
   c.sc_mu = 4.0                   # 'sc': NormClip level mu in the SC loss and FedSC's DP-CalR (0 = off)
   # Federation and optimisation.
   c.rounds = 100
@@ -100,7 +102,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.map_chunk_size = 1
   # Evaluation and bookkeeping.
   c.eval_every = 0                # kNN monitor every k rounds (0 = off)
-  c.knn_k = 200
+  c.knn_k = 200                   # 0 = no kNN monitor (supervised runs report test_acc)
   c.knn_temperature = 0.1
   c.probe_epochs = 100
   c.probe_batch_size = 512
@@ -327,6 +329,54 @@ def _validate_hetero_ssfl(config: ml_collections.ConfigDict) -> None:
                            'size (0 = the whole RAD every step)')
 
 
+def repshare_config() -> ml_collections.ConfigDict:
+  """Representation sharing's keys (algorithm = 'repshare'); defaults: BUILD_NOTES "Representation
+  sharing" decisions A1-A22 (the paper's lambda_kd = 10, lambda_disc = 1, n_avg = 10)."""
+  r = ml_collections.ConfigDict()
+  r.lambda_kd = 10.0
+  r.lambda_disc = 1.0
+  r.n_avg = 10                    # samples per relayed n_avg-prototype
+  r.reduction = 'mean'            # mean (author code: MSE / BCE means, A1) | sum (paper's sums)
+  r.partner = 'user'              # user (one other user, all classes, A6) | per_class
+  r.init_prototypes = 'model'     # model (from the untrained models, A8) | random U(-1, 1)
+  r.upload_batch = 500            # images per eval forward when summarising (memory only)
+  return r
+
+
+def fd_config() -> ml_collections.ConfigDict:
+  """Federated distillation's keys (algorithm = 'fd'; Jeong et al., A5)."""
+  f = ml_collections.ConfigDict()
+  f.weight = 1.0                  # distillation weight
+  f.temperature = 1.0
+  f.upload_batch = 500            # images per eval forward when averaging logits (memory only)
+  return f
+
+
+def _validate_relay(config: ml_collections.ConfigDict) -> None:
+  """repshare / fd: supervised classifiers, at least two clients."""
+  name = config.algorithm
+  if config.ssl_method != 'supervised':
+    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
+                         f"{name!r}: it trains classifiers, must be 'supervised'")
+  if config.num_clients < 2:
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for algorithm '
+                         f"{name!r}: clients distil from the other clients' averages, need >= 2")
+  if name == 'repshare':
+    r = config.repshare
+    cv.check_float_range('repshare.lambda_kd', r.lambda_kd, 0.0, None)
+    cv.check_float_range('repshare.lambda_disc', r.lambda_disc, 0.0, None)
+    cv.check_int_range('repshare.n_avg', r.n_avg, 1, 1_000_000)
+    cv.check_choice('repshare.reduction', r.reduction, ('mean', 'sum'))
+    cv.check_choice('repshare.partner', r.partner, repshare.PARTNERS)
+    cv.check_choice('repshare.init_prototypes', r.init_prototypes, repshare.INIT_PROTOTYPES)
+    cv.check_int_range('repshare.upload_batch', r.upload_batch, 1, 10_000_000)
+  else:
+    cv.check_float_range('fd.weight', config.fd.weight, 0.0, None)
+    cv.check_float_range('fd.temperature', config.fd.temperature, 0.0, None,
+                         inclusive=(False, True))
+    cv.check_int_range('fd.upload_batch', config.fd.upload_batch, 1, 10_000_000)
+
+
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
   """(init_key, run_key) of a run: the model init and every round's randomness
   (round r uses rng.round_key(run_key, r))."""
@@ -443,7 +493,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_int_range('train_size', config.train_size, 0, 100_000_000)
   cv.check_int_range('eval_every', config.eval_every, 0, 10_000_000)
   cv.check_int_range('checkpoint_every', config.checkpoint_every, 1, 10_000_000)
-  cv.check_int_range('knn_k', config.knn_k, 1, 10_000_000)
+  cv.check_int_range('knn_k', config.knn_k, 0, 10_000_000)
   cv.check_int_range('probe_epochs', config.probe_epochs, 0, 100_000)
   cv.check_int_range('probe_std_epochs', config.probe_std_epochs, 0, 100_000)
   cv.check_int_range('probe_batch_size', config.probe_batch_size, 1, 10_000_000)
@@ -476,6 +526,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_fedsc(config)
   if config.algorithm == 'hetero_ssfl':
     _validate_hetero_ssfl(config)
+  if config.algorithm in ('repshare', 'fd'):
+    _validate_relay(config)
   elif config.hetero_ssfl.mix:
     raise cv.ConfigError(f'config.hetero_ssfl.mix = {config.hetero_ssfl.mix!r} is invalid with '
                          f'algorithm {config.algorithm!r}: several architectures in one federation '
@@ -687,8 +739,11 @@ def load_data(config: ml_collections.ConfigDict) -> Dataset:
     if config.train_size > len(ds.train_y):
       raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: the {ds.name} '
                            f'training split has only {len(ds.train_y)} examples')
+    # The normalisation statistics are those of the kept subset, as the code's load_data computes
+    # them after reducing.
+    mean, std = sources.channel_stats(ds.train_x[:config.train_size])
     ds = dataclasses.replace(ds, train_x=ds.train_x[:config.train_size],
-                             train_y=ds.train_y[:config.train_size])
+                             train_y=ds.train_y[:config.train_size], mean=mean, std=std)
   return ds
 
 
@@ -760,6 +815,16 @@ def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,
         [members for _, members in groups], rad_size=config.public_size, mu=float(h.mu),
         rad_batch=h.rad_batch, mu_schedule=h.mu_schedule, sign=h.sign, centered=h.centered,
         average=h.average, kbar_clients=h.kbar_clients, bn_mode=h.bn_mode, broadcast=h.broadcast)
+  if config.algorithm == 'repshare':
+    r = config.repshare
+    return repshare.make(spec, num_classes=dataset.num_classes,
+                         feature_dim=models.feature_dim(config.encoder), lambda_kd=r.lambda_kd,
+                         lambda_disc=r.lambda_disc, n_avg=r.n_avg, reduction=r.reduction,
+                         partner=r.partner, init_prototypes=r.init_prototypes,
+                         upload_batch=r.upload_batch)
+  if config.algorithm == 'fd':
+    return fd.make(spec, num_classes=dataset.num_classes, weight=config.fd.weight,
+                   temperature=config.fd.temperature, upload_batch=config.fd.upload_batch)
   if config.algorithm == 'fedsc':
     f = config.fedsc
     if f.share and f.dp and client_sizes is None:
@@ -829,6 +894,7 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
       if algo.cohorts:
         out[f'{key}_{cohort.name}'] = float(np.mean(res[key]))
     out[key] = float(np.mean(accs))
+    out[f'{key}_client_std'] = float(np.std(accs))
     if key != 'knn_acc':
       out[f'{key}_clients'] = [float(a) for a in accs]
   return out
@@ -837,10 +903,25 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
 def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variables: Any,
                       per_client: bool, dataset: Dataset, *, probe: bool, knn: bool
                       ) -> Dict[str, Any]:
-  """{metric: accuracy} for one shared encoder, or {metric: [C] accuracies} for stacked ones."""
+  """{metric: accuracy} for one shared encoder, or {metric: [C] accuracies} for stacked ones.
+
+  Supervised models (`algo.classifier_apply`) also report 'test_acc', the whole classifier's
+  accuracy on the test split. Features are extracted only when the kNN monitor (knn_k > 0) or a
+  probe needs them.
+  """
+  out: Dict[str, Any] = {}
+  if algo.classifier_apply is not None:
+    logits = encoder_features(dataclasses.replace(algo, encoder_apply=algo.classifier_apply),
+                              variables, per_client, dataset.test_x, dataset)
+    correct = np.asarray(jnp.argmax(logits, axis=-1)) == dataset.test_y
+    acc = correct.mean(axis=-1)
+    out['test_acc'] = [float(a) for a in acc] if per_client else float(acc)
+  knn = knn and config.knn_k > 0
+  probe = probe and (config.probe_epochs > 0 or config.probe_std_epochs > 0)
+  if not (knn or probe):
+    return out
   train_f = encoder_features(algo, variables, per_client, dataset.train_x, dataset)
   test_f = encoder_features(algo, variables, per_client, dataset.test_x, dataset)
-  out: Dict[str, Any] = {}
   if knn:
     knn_fn = lambda a, b: float(fs_eval.knn_monitor(
         a, dataset.train_y, b, dataset.test_y, dataset.num_classes, k=config.knn_k,

@@ -40,6 +40,7 @@ METRICS = {
     'probe_acc': 'linear probe (%)',
     'knn_acc': 'kNN (%)',
     'probe_std_acc': 'linear probe on standardised features (%)',
+    'test_acc': 'test accuracy, client mean (%)',
 }
 
 
@@ -188,6 +189,8 @@ _UNUSED_WHEN = {
     'fedu2': lambda c: c.algorithm != 'fedu2',
     'fedsc': lambda c: c.algorithm != 'fedsc',
     'hetero_ssfl': lambda c: c.algorithm != 'hetero_ssfl',
+    'repshare': lambda c: c.algorithm != 'repshare',
+    'fd': lambda c: c.algorithm != 'fd',
     'sc_mu': lambda c: c.ssl_method != 'sc',
 }
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_ssl.algorithms.base import LocalData
 from fedjax_ssl.core import rng
 from fedjax_ssl.core.round import sample_participants
 from fedjax_ssl.ops import min_norm
@@ -128,7 +129,9 @@ def train_participant(algo, local_step, client, data, key, cid, msg, lr, *, batc
     client, loss = local_step(client, batch, step_key, msg, lr)
     step_losses.append(float(loss))
   client = algo.end(start, client, msg)
-  return client, algo.upload(client, msg), float(np.mean(step_losses))
+  local = LocalData(jnp.asarray(x[data_cid]), jnp.asarray(y[data_cid]), jnp.int32(n_all[data_cid]),
+                    rng.upload_key(ckey))
+  return client, algo.upload(client, msg, local), float(np.mean(step_losses))
 
 
 def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx, *,
@@ -153,7 +156,7 @@ def numpy_hetero_round(algo, local_steps, clients, server, data, key, round_idx,
   if round_idx == 0:
     for cid in range(num_clients):
       k, j = where[cid]
-      reps[k][j] = np.asarray(algo.cohorts[k].client.upload(take(cid), {'public_x': rad}))
+      reps[k][j] = np.asarray(algo.cohorts[k].client.upload(take(cid), {'public_x': rad}, None))
   mu_t = mu * (np.sqrt(round_idx) if mu_schedule == 'sqrt' else 1.0)
   in_kbar = np.ones(num_clients)
   if kbar_clients == 'participants':  # this round's participants, from their cached representation

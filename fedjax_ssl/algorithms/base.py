@@ -9,8 +9,12 @@ stacked client axis) plus a server aggregation over the stacked uploads of the r
   local_step(client, batch, key, msg, lr)-> (client, loss) (one optimisation step; batch = dict(x=uint8
                                                              [B,H,W,C], y=int32 [B]))
   end(client_start, client, msg)         -> client         (post-training bookkeeping, e.g. divergence)
-  upload(client, msg)                    -> payload        (what the server receives)
-  aggregate(server, payloads [m, ...], weights [m]) -> server   (weights sum to 1)
+  upload(client, msg, local)             -> payload        (what the server receives; `local` is
+                                                             the participant's LocalData, for
+                                                             payloads computed from its own data,
+                                                             e.g. per-class feature means)
+  aggregate(server, payloads [m, ...], weights [m], ids [m]) -> server   (weights sum to 1; ids
+                                                             are the participants' client ids)
   eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
 
 Optional hooks, for methods whose round has more structure (FedSC); an algorithm without them
@@ -27,6 +31,14 @@ computes exactly what it did before they existed:
   uses_public: bool                                 (the engine adds the server's public set,
                                                       FedData.public_x, to the broadcast dict as
                                                       msg['public_x']: Hetero-SSFL's RAD)
+  classifier_apply(variables, x)         -> logits  (supervised clients: the whole classifier in
+                                                      inference mode, for test accuracy)
+  prepare_upload_bytes(server, new_server) -> bytes (what `prepare` received from clients this
+                                                      round, for algorithms whose uploads happen
+                                                      there: FedSC's matrices; float32 scalar)
+
+Communication (core/comm.py) is measured from these pytrees: a participant sends its `upload`
+payload and receives its (personalised) broadcast, less the public set, which is sent once.
 
 Several architectures in one federation (Hetero-SSFL): an algorithm with `cohorts` holds one
 stacked client pytree per architecture, `FedState.clients = (cohort_0 [C_0, ...], ...)`. Each
@@ -73,6 +85,23 @@ class Algorithm:
   ragged_batches: bool = False
   uses_public: bool = False
   cohorts: Tuple['Cohort', ...] = ()
+  classifier_apply: Optional[Callable[..., Any]] = None
+  prepare_upload_bytes: Optional[Callable[..., Any]] = None
+
+
+class LocalData(NamedTuple):
+  """A participant's own data as the engine holds it, passed to `upload`.
+
+  Attributes:
+    x: uint8 [n_max, H, W, C] images; rows >= n are padding.
+    y: int32 [n_max] labels.
+    n: int32 scalar, the number of real rows.
+    key: the participant's upload key (rng.upload_key of its round key).
+  """
+  x: jax.Array
+  y: jax.Array
+  n: jax.Array
+  key: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

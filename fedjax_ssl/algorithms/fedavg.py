@@ -58,6 +58,14 @@ def init_shared(spec: ssl_client.ClientSpec, key, num_clients):
   return replicate(client, num_clients), shared_subset(spec, client)
 
 
+def classifier_apply(spec: ssl_client.ClientSpec):
+  """(variables, x) -> logits of a supervised spec's whole Classifier in inference mode (None for
+  SSL methods, which have no classifier)."""
+  if spec.method != 'supervised':
+    return None
+  return lambda v, x: spec.model.apply(v, x, train=False)
+
+
 def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begin,
                            end=lambda start, client, msg: client) -> Algorithm:
   """An algorithm whose server keeps the data-weighted mean of the participants' online networks
@@ -66,11 +74,12 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
       name=name, init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
       end=end,
-      upload=lambda client, msg: shared_subset(spec, client),
-      aggregate=lambda server, payloads, weights: weighted_mean(payloads, weights),
+      upload=lambda client, msg, local: shared_subset(spec, client),
+      aggregate=lambda server, payloads, weights, ids: weighted_mean(payloads, weights),
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
+      classifier_apply=classifier_apply(spec),
       ragged_batches=spec.method == 'sc',
   )
 

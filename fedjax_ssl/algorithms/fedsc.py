@@ -26,7 +26,7 @@ import numpy as np
 
 from fedjax_ssl.algorithms import fedavg, ssl_client
 from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
-from fedjax_ssl.core import rng
+from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
 from fedjax_ssl.ops import correlation, privacy
 
@@ -196,10 +196,15 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
     shared = (msg['alpha'], msg['r_other']) if share else None
     return ssl_client.local_step(spec, client, batch, key, msg, lr, sc_shared=shared)
 
-  def aggregate(server, payloads, weights):
+  def aggregate(server, payloads, weights, ids):
     if model_weights == 'uniform':
       weights = jnp.full_like(weights, 1.0 / weights.shape[0])
     return dict(server, model=weighted_mean(payloads, weights))
+
+  def prepare_upload_bytes(before, after):
+    """Bytes of the matrices uploaded in `prepare` this round (one [H, H] per new share)."""
+    fresh = jnp.sum(after['shares'] - before['shares']).astype(jnp.float32)
+    return fresh * float(comm.tree_bytes(after['cov'][0]))
 
   def host_metrics(state):
     shares = np.asarray(state.server['shares'])
@@ -209,10 +214,11 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       name='fedsc' if share else 'fedavg_sc', init=init,
       broadcast=lambda server: server if share else {'model': server['model']},
       begin=begin, local_step=local_step, end=lambda start, client, msg: client,
-      upload=lambda client, msg: fedavg.shared_subset(spec, client), aggregate=aggregate,
+      upload=lambda client, msg, local: fedavg.shared_subset(spec, client), aggregate=aggregate,
       eval_variables=lambda state: (state.server['model'], False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       prepare=prepare if share else None, personalize=personalize if share else None,
       host_metrics=host_metrics if (share and ledger is not None) else None,
+      prepare_upload_bytes=prepare_upload_bytes if share else None,
       ragged_batches=True)

@@ -163,7 +163,7 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
       client = fedavg.sync_target(spec, client, first | (byol_target_sync == 'reset'))
     return fedavg.mark_participated(client)
 
-  def aggregate(server, payloads, weights):
+  def aggregate(server, payloads, weights, ids):
     glob = {k: v for k, v in server.items() if k != 'eua'}
     stats = weighted_mean(_stats(payloads), weights)
     if not eua:
@@ -183,7 +183,7 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
   return Algorithm(
       name=name, init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=lambda start, client, msg: client, upload=lambda client, msg: upload(client),
+      end=lambda start, client, msg: client, upload=lambda client, msg, local: upload(client),
       aggregate=aggregate,
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,

@@ -169,7 +169,7 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
         return msg['mu'] * alignment_penalty(a, msg, rows, sign=sign, centered=centered)
       return ssl_client.local_step(spec, client, batch, key, msg, lr, extra_loss=extra)
 
-    def upload(client, msg):
+    def upload(client, msg, local):
       if not align:
         return {}
       return upload_representations(spec, _variables(client), msg['public_x'], bn_mode=bn_mode,
@@ -178,7 +178,7 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
     return Algorithm(
         name=f'hetero_ssfl/{name}', init=init, broadcast=lambda server: server, begin=begin,
         local_step=local_step, end=lambda start, client, msg: client, upload=upload,
-        aggregate=lambda server, payloads, weights: server,
+        aggregate=lambda server, payloads, weights, ids: server,
         eval_variables=lambda state: (_variables(state.clients), True),
         encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                             train=False),

@@ -103,7 +103,7 @@ def _views(spec: ClientSpec, key: jax.Array, x_uint8: jax.Array, num_views: int)
           for k in keys]
 
 
-def _apply_train(model, params, batch_stats, x, **kw):
+def apply_train(model, params, batch_stats, x, **kw):
   """Train-mode forward; returns (outputs, new batch_stats). Each call updates the running
   statistics once, as each PyTorch forward in train mode does."""
   out, updates = model.apply({'params': params, 'batch_stats': batch_stats}, x, train=True,
@@ -121,12 +121,12 @@ def loss_fn(spec: ClientSpec, params, client, batch, key, sc_shared=None
   bs = client['batch_stats']
   if spec.method == 'supervised':
     (x,) = _views(spec, key, batch['x'], 1)
-    logits, bs = _apply_train(spec.model, params, bs, x)
+    logits, bs = apply_train(spec.model, params, bs, x)
     return losses.cross_entropy_loss(logits, batch['y']), (bs, None)
   v1, v2 = _views(spec, key, batch['x'], 2)
   with_pred = spec.method in ('byol', 'simsiam')
-  o1, bs = _apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
-  o2, bs = _apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
+  o1, bs = apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
+  o2, bs = apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
   reg = _view_regularizer(spec, (o1['z'], o2['z']), key)
   if spec.method == 'sc':
     alpha, r_other = sc_shared if sc_shared is not None else (1.0, None)
@@ -140,8 +140,8 @@ def loss_fn(spec: ClientSpec, params, client, batch, key, sc_shared=None
     return reg + losses.simsiam_loss(o1['p'], o2['p'], o1['z'], o2['z']), (bs, None)
   target = client['target']
   tbs = target['batch_stats']
-  t1, tbs = _apply_train(spec.model, target['params'], tbs, v1, with_predictor=False)
-  t2, tbs = _apply_train(spec.model, target['params'], tbs, v2, with_predictor=False)
+  t1, tbs = apply_train(spec.model, target['params'], tbs, v1, with_predictor=False)
+  t2, tbs = apply_train(spec.model, target['params'], tbs, v2, with_predictor=False)
   t1, t2 = jax.lax.stop_gradient(t1['z']), jax.lax.stop_gradient(t2['z'])
   return reg + losses.byol_loss(o1['p'], o2['p'], t1, t2), (bs, tbs)
 
@@ -168,15 +168,21 @@ def local_step(spec: ClientSpec, client, batch, key, msg, lr, sc_shared=None,
     loss, aux = loss_fn(spec, p, client, batch, key, sc_shared)
     return (loss if extra_loss is None else loss + extra_loss(p)), aux
   (loss, (bs, tbs)), grads = jax.value_and_grad(total, has_aux=True)(client['params'])
-  updates, opt_state = spec.tx.update(grads, client['opt_state'], client['params'])
-  params = jax.tree_util.tree_map(lambda p, u: p - lr * u, client['params'], updates)
-  new = dict(client, params=params, batch_stats=bs, opt_state=opt_state)
+  new = apply_gradients(spec, client, grads, lr, batch_stats=bs)
   if spec.method == 'byol':
-    online = target_from_online(params, bs)
+    online = target_from_online(new['params'], bs)
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
                                                  spec.ema_tau),
                      'batch_stats': tbs}
   return new, loss
+
+
+def apply_gradients(spec: ClientSpec, client, grads, lr, **fields) -> Dict[str, Any]:
+  """The client after one optimiser step on `grads` at learning rate lr (spec.tx is unit-rate),
+  with `fields` (e.g. the new batch_stats) replaced."""
+  updates, opt_state = spec.tx.update(grads, client['opt_state'], client['params'])
+  params = jax.tree_util.tree_map(lambda p, u: p - lr * u, client['params'], updates)
+  return dict(client, params=params, opt_state=opt_state, **fields)
 
 
 def begin_round(spec: ClientSpec, client) -> Dict[str, Any]:

@@ -8,6 +8,7 @@ import jax
 _PERMUTATION_STREAM = 0
 _STEP_STREAM = 1
 _BEGIN_STREAM = 2
+_UPLOAD_STREAM = 3
 
 
 def round_key(root_key: jax.Array, round_idx) -> jax.Array:
@@ -39,3 +40,8 @@ def step_key(ckey: jax.Array, step) -> jax.Array:
 
 def begin_key(ckey: jax.Array) -> jax.Array:
   return jax.random.fold_in(ckey, _BEGIN_STREAM)
+
+
+def upload_key(ckey: jax.Array) -> jax.Array:
+  """Key of a participant's upload (e.g. which samples make its n_avg-prototypes)."""
+  return jax.random.fold_in(ckey, _UPLOAD_STREAM)

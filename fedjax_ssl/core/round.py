@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_ssl.algorithms.base import Algorithm, Cohort, CohortSlots
-from fedjax_ssl.core import local, rng, strategies
+from fedjax_ssl.algorithms.base import Algorithm, Cohort, CohortSlots, LocalData
+from fedjax_ssl.core import comm, local, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
 
@@ -82,7 +82,7 @@ def client_round_fn(algo: Algorithm, cfg: RoundConfig, client_algo: Algorithm | 
                                        batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                        drop_last=cfg.drop_last)
     trained = ca.end(start, trained, msg)
-    return trained, ca.upload(trained, msg), loss
+    return trained, ca.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey))), loss
   return fn
 
 
@@ -139,18 +139,20 @@ def _broadcast(algo: Algorithm, server, data: FedData):
 
 
 def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel, payloads, losses,
-                  lr):
+                  lr, msg):
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   weights = n_sel.astype(fdtype) / jnp.sum(n_sel).astype(fdtype)
-  server = algo.aggregate(server, payloads, weights)
+  prepared = server
+  server = algo.aggregate(server, payloads, weights, ids)
   clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
-  metrics = {'loss': jnp.mean(losses), 'lr': lr}
+  metrics = {'loss': jnp.mean(losses), 'lr': lr,
+             **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state.server, prepared)}
   return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
 def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, new_sel,
-                         payloads, losses, lr, m: int):
+                         payloads, losses, lr, m: int, msg):
   """Aggregate and scatter of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   counts = tuple(jnp.where(s.valid, n, 0).astype(fdtype) for s, n in zip(slots, n_sel))
@@ -160,7 +162,9 @@ def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel,
       jax.tree_util.tree_map(lambda a, b, s=s: a.at[s.local].set(b, mode='drop'), stack, new)
       for stack, new, s in zip(state.clients, new_sel, slots))
   loss = sum(jnp.sum(jnp.where(s.valid, l, 0.0)) for s, l in zip(slots, losses)) / m
-  return FedState(clients=clients, server=server, round=state.round + 1), {'loss': loss, 'lr': lr}
+  metrics = {'loss': loss, 'lr': lr,
+             **comm.round_metrics(algo, msg, payloads, tuple(jnp.sum(s.valid) for s in slots))}
+  return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
 def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) -> None:
@@ -223,14 +227,38 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     if not algo.cohorts:
       slots = cohort_slots(ids, groups[0], num_clients, m)
       n_sel, new_sel, payloads, losses = train(fns[0], state.clients, slots, data, key, msg, lr)
-      return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
+      return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr, msg)
     slots = tuple(cohort_slots(ids, c, num_clients, m) for c in groups)
     outs = [train(f, st, s, data, key, msg, lr) for f, st, s in zip(fns, state.clients, slots)]
     n_sel, new_sel, payloads, losses = (tuple(o[i] for o in outs) for i in range(4))
     return _finish_cohort_round(algo, state, server, slots, n_sel, new_sel, payloads, losses, lr,
-                                m)
+                                m, msg)
 
   return jax.jit(round_step, donate_argnums=(0,) if donate else ())
+
+
+def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: FedState,
+                  data: FedData) -> Tuple[comm.MessageBytes, ...]:
+  """Exact bytes one participant of each cohort uploads and downloads in a round (static: the
+  round's pieces are traced with `jax.eval_shape`, nothing is computed)."""
+  groups = cohorts(algo, num_clients)
+
+  def shapes(state, data, key):
+    ids = sample_participants(key, num_clients, cfg.clients_per_round)
+    server = _prepare(algo, state, data, ids, key)
+    msg = _broadcast(algo, server, data)
+    payloads = []
+    for cohort, stack in zip(groups, cohort_stacks(algo, state.clients)):
+      cid = cohort.members[0]
+      client = jax.tree_util.tree_map(lambda a: a[0], stack)
+      fn = client_round_fn(algo, cfg, cohort.client)
+      payloads.append(fn(client, data.x[cid], data.y[cid], data.n[cid], rng.client_key(key, cid),
+                         jnp.int32(cid), msg, cfg.lr_fn(state.round))[1])
+    return msg, payloads
+
+  msg, payloads = jax.eval_shape(shapes, state, data, jax.random.PRNGKey(0))
+  down = comm.tree_bytes(comm.downlink_message(algo, msg))
+  return tuple(comm.MessageBytes(comm.tree_bytes(p), down) for p in payloads)
 
 
 def _check_plain(algo: Algorithm, what: str) -> None:
@@ -249,8 +277,8 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
     return ids, server, _broadcast(algo, server, data), cfg.lr_fn(state.round)
 
   @jax.jit
-  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr):
-    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr)
+  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr, msg):
+    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr, msg)
 
   return prepare, finish
 
@@ -271,7 +299,7 @@ def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: i
       outs.append(per_client(client, data.x[cid], data.y[cid], data.n[cid],
                              rng.client_key(key, cid), jnp.int32(cid), msg, lr))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr)
+    return finish(state, server, ids, data.n[ids], *stacked, lr, msg)
 
   return round_step
 
@@ -297,9 +325,9 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
     return algo.local_step(client, batch, rng.step_key(ckey, s), msg, lr)
 
   @jax.jit
-  def end(start, trained, msg):
+  def end(start, trained, msg, x, y, n, ckey):
     trained = algo.end(start, trained, msg)
-    return trained, algo.upload(trained, msg)
+    return trained, algo.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, server, msg_all, lr = prepare(state, data, key)
@@ -321,9 +349,9 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
           batch['mask'] = pos < n
         trained, loss = step(trained, batch, ckey, s, msg, lr)
         losses.append(loss)
-      trained, payload = end(start, trained, msg)
+      trained, payload = end(start, trained, msg, data.x[cid], data.y[cid], data.n[cid], ckey)
       outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr)
+    return finish(state, server, ids, data.n[ids], *stacked, lr, msg_all)
 
   return round_step

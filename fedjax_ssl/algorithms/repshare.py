@@ -1,0 +1,237 @@
+"""Representation sharing by contrastive distillation ("Ours" of Berdoz et al., "Scalable
+Collaborative Learning via Representation Sharing", arXiv:2211.10943).
+
+Supervised. Every client u keeps its own classifier f_u = tau_u o phi_u (phi: the network up to the
+Tanh feature layer, d' features; tau: Linear(d' -> C), the Classifier's 'head') and its own Adam
+state, across rounds. Nothing but per-class feature averages travels, through a relay server:
+
+  up   (after the local epoch, eval-mode BN, no gradient): the full class means t̄_u^c over all local
+       samples, their class counts n_u^c, and one n_avg-prototype per class t_u^c (the mean of
+       min(n_avg, n_u^c) random local samples of class c, drawn without replacement);
+  down (before the local epoch): the global prototypes t̄^c = Σ_u n_u^c t̄_u^c / Σ_u n_u^c (A7) and the
+       n_avg-prototypes T_u [C, d'] of one random other user v != u (A6; per class with
+       partner = 'per_class').
+
+Local objective per mini-batch (s = phi_u(x), z = tau_u(s)):
+
+  CE(z, y) + lambda_kd * ||s - t̄^y||^2 + lambda_disc * BCE(softmax(z) softmax(tau_u(T_u))^T, onehot(y))
+
+with the author code's reductions by default (MSE mean over b*d', BCE mean over b*C, A1;
+reduction = 'sum' gives the paper's sums over d' and over C). The discriminator reuses the client's
+own classifier on the (constant) teacher prototypes, so tau_u gets gradients through both
+softmaxes (A17). Prototypes are refreshed once per round (A9); round 1 uses prototypes computed
+from the untrained models before training (A8; init_prototypes = 'random' draws U(-1, 1) instead, as
+Alg. 1's "S initializes randomly"). The server's relay buffer keeps every client's latest upload, so
+under partial participation a non-participant's prototypes stay in use (stale).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_ssl.algorithms import fedavg, ssl_client
+from fedjax_ssl.algorithms.base import Algorithm, LocalData
+from fedjax_ssl.data import augment
+from fedjax_ssl.eval import features
+from fedjax_ssl.models import layers
+from fedjax_ssl.ops import prototypes
+from fedjax_ssl.ssl import losses
+
+PARTNERS = ('user', 'per_class')
+INIT_PROTOTYPES = ('model', 'random')
+# fold_in tags of the server's draws inside a round key.
+PARTNER_STREAM = 0x7A1
+INIT_STREAM = 0x7A2
+
+
+def check_supervised(spec: ssl_client.ClientSpec, name: str) -> None:
+  if spec.method != 'supervised':
+    raise ValueError(f"{name} trains classifiers: spec.method must be 'supervised', got "
+                     f'{spec.method!r}')
+
+
+def independent_clients(spec: ssl_client.ClientSpec, key: jax.Array, num_clients: int):
+  """[C, ...] client states, each from its own random init (every client calls `get_model`)."""
+  return jax.vmap(lambda k: ssl_client.init_client(spec, k))(jax.random.split(key, num_clients))
+
+
+def head_apply(params: Dict[str, Any], f: jax.Array) -> jax.Array:
+  """tau: [..., d'] features -> [..., C] logits with the Classifier's 'head' parameters."""
+  return layers.Dense(params['head']['bias'].shape[-1]).apply({'params': params['head']}, f)
+
+
+def _encoder_vars(params, batch_stats) -> Dict[str, Any]:
+  out = {'params': params['encoder']}
+  if 'encoder' in batch_stats:
+    out['batch_stats'] = batch_stats['encoder']
+  return out
+
+
+def train_features(spec: ssl_client.ClientSpec, params, batch_stats, x: jax.Array):
+  """Train-mode phi: x float [B, H, W, C] -> (features [B, d'], new batch_stats)."""
+  enc = _encoder_vars(params, batch_stats)
+  if 'batch_stats' not in enc:
+    return spec.model.encoder.apply(enc, x, train=True), batch_stats
+  s, upd = spec.model.encoder.apply(enc, x, train=True, mutable=['batch_stats'])
+  return s, dict(batch_stats, encoder=upd['batch_stats'])
+
+
+def eval_outputs(spec: ssl_client.ClientSpec, variables, x_uint8: jax.Array, chunk: int,
+                 kind: str = 'features') -> jax.Array:
+  """Eval-mode phi (kind 'features', [n, d']) or tau o phi ('logits', [n, C]) of uint8 images
+  [n, H, W, C], normalised as in training, in chunks of `chunk` rows (bounded activation memory);
+  no gradient flows (the shared averages are constants)."""
+  variables = jax.lax.stop_gradient(variables)
+  params, bs = variables['params'], variables['batch_stats']
+
+  def one(xc):
+    x = features.normalize_images(xc, jnp.asarray(spec.mean), jnp.asarray(spec.std))
+    s = spec.model.encoder.apply(_encoder_vars(params, bs), x, train=False)
+    return s if kind == 'features' else head_apply(params, s)
+
+  n = x_uint8.shape[0]
+  chunk = max(1, min(chunk, n))
+  pad = (-n) % chunk
+  xs = jnp.concatenate([x_uint8, jnp.zeros((pad,) + x_uint8.shape[1:], x_uint8.dtype)])
+  out = jax.lax.map(one, xs.reshape((-1, chunk) + x_uint8.shape[1:]))
+  return out.reshape((n + pad,) + out.shape[2:])[:n]
+
+
+def class_summary(spec: ssl_client.ClientSpec, variables, local: LocalData, num_classes: int,
+                  chunk: int, kind: str = 'features', n_avg: int = 0) -> Dict[str, jax.Array]:
+  """A client's per-class averages over its own data: {'means' [C, k], 'counts' [C]} and, with
+  n_avg > 0, {'navg' [C, k]} (k = d' for features, C for logits)."""
+  out = eval_outputs(spec, variables, local.x, chunk, kind)
+  valid = jnp.arange(local.x.shape[0]) < local.n
+  means, counts = prototypes.class_means(out, local.y, valid, num_classes)
+  summary = {'means': means, 'counts': counts}
+  if n_avg:
+    summary['navg'] = prototypes.navg_prototypes(local.key, out, local.y, valid, num_classes, n_avg)
+  return summary
+
+
+def initial_summaries(summarize, clients, data, key: jax.Array) -> Dict[str, jax.Array]:
+  """Every client's summary from its current (initial) model: {field: [N, ...]}, one client at a
+  time (lax.map: the memory of one client's forward)."""
+  num = data.n.shape[0]
+
+  def one(cid):
+    client = jax.tree_util.tree_map(lambda a: a[cid], clients)
+    return summarize(client, LocalData(data.x[cid], data.y[cid], data.n[cid],
+                                       jax.random.fold_in(key, cid)))
+  return jax.lax.map(one, jnp.arange(num))
+
+
+def store_uploads(server, payloads, ids) -> Dict[str, jax.Array]:
+  """The relay buffer with the participants' rows replaced by their uploads."""
+  return dict(server, **{k: server[k].at[ids].set(v.astype(server[k].dtype))
+                         for k, v in payloads.items()})
+
+
+def variables_of(client) -> Dict[str, Any]:
+  return {'params': client['params'], 'batch_stats': client['batch_stats']}
+
+
+def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
+         lambda_kd: float = 10.0, lambda_disc: float = 1.0, n_avg: int = 10,
+         reduction: str = 'mean', partner: str = 'user', init_prototypes: str = 'model',
+         upload_batch: int = 500) -> Algorithm:
+  """The representation-sharing algorithm ('repshare').
+
+  Args:
+    spec: a supervised ClientSpec (Classifier model; persistent optimiser: reset_optimizer False).
+    num_classes: C; feature_dim: d' (the encoder's Tanh feature width).
+    lambda_kd, lambda_disc: loss weights (paper 10, 1).
+    n_avg: samples per relayed prototype (paper 10).
+    reduction: 'mean' (author code, A1) | 'sum' (paper's per-sample sums).
+    partner: 'user' (one other user for all classes, §4) | 'per_class' (Alg. 1's shuffled buffers).
+    init_prototypes: 'model' (from the untrained models, A8) | 'random' (U(-1, 1)).
+    upload_batch: images per eval forward when summarising (memory only).
+  """
+  check_supervised(spec, 'repshare')
+  if reduction not in prototypes.REDUCTIONS:
+    raise ValueError(f'repshare.reduction = {reduction!r} is invalid: must be one of '
+                     f'{prototypes.REDUCTIONS}')
+  if partner not in PARTNERS:
+    raise ValueError(f'repshare.partner = {partner!r} is invalid: must be one of {PARTNERS}')
+  if init_prototypes not in INIT_PROTOTYPES:
+    raise ValueError(f'repshare.init_prototypes = {init_prototypes!r} is invalid: must be one of '
+                     f'{INIT_PROTOTYPES}')
+  if n_avg < 1:
+    raise ValueError(f'repshare.n_avg = {n_avg} is invalid: must be >= 1')
+
+  def summarize(client, local):
+    return class_summary(spec, variables_of(client), local, num_classes, upload_batch,
+                         n_avg=n_avg)
+
+  def init(key, num_clients):
+    if num_clients < 2:
+      raise ValueError(f'num_clients = {num_clients} is invalid for repshare: a client distils '
+                       "from another user's prototypes, need >= 2")
+    clients = independent_clients(spec, key, num_clients)
+    shape = (num_clients, num_classes, feature_dim)
+    if init_prototypes == 'random':
+      k1, k2 = jax.random.split(jax.random.fold_in(key, INIT_STREAM))
+      means = jax.random.uniform(k1, shape, minval=-1.0, maxval=1.0)
+      navg = jax.random.uniform(k2, shape, minval=-1.0, maxval=1.0)
+    else:  # filled from the initial models by the first `prepare`
+      means, navg = jnp.zeros(shape), jnp.zeros(shape)
+    server = {'means': means, 'counts': jnp.ones(shape[:2]), 'navg': navg,
+              'partners': jnp.zeros(shape[:2], jnp.int32)}
+    return clients, server
+
+  def prepare(state, data, ids, key):
+    del ids
+    server = state.server
+    if init_prototypes == 'model':
+      def from_models():
+        fresh = initial_summaries(summarize, state.clients, data, jax.random.fold_in(key, INIT_STREAM))
+        return dict(server, **{k: v.astype(server[k].dtype) for k, v in fresh.items()})
+      server = jax.lax.cond(state.round == 0, from_models, lambda: server)
+    partners = prototypes.relay_partners(jax.random.fold_in(key, PARTNER_STREAM),
+                                         data.n.shape[0], num_classes,
+                                         per_class=partner == 'per_class')
+    return dict(server, partners=partners)
+
+  def broadcast(server):
+    return {'global': prototypes.global_prototypes(server['means'], server['counts']),
+            'navg': server['navg'], 'partners': server['partners']}
+
+  def personalize(msg, cid):
+    # What client cid downloads: the global prototypes and its partner's n_avg-prototypes.
+    teacher = msg['navg'][msg['partners'][cid], jnp.arange(num_classes)]
+    return {'global': msg['global'], 'teacher': teacher}
+
+  def begin(client, msg, key):
+    del msg, key
+    return fedavg.mark_participated(ssl_client.begin_round(spec, client))
+
+  def loss_fn(params, client, batch, key, msg):
+    x = augment.normalize(augment.augment_batch(key, batch['x'], spec.aug), spec.mean, spec.std)
+    s, bs = train_features(spec, params, client['batch_stats'], x)
+    z = head_apply(params, s)
+    y = batch['y']
+    sq = (s - msg['global'][y]) ** 2
+    kd = jnp.mean(sq) if reduction == 'mean' else jnp.mean(jnp.sum(sq, axis=-1))
+    h = prototypes.prob_product(z, head_apply(params, msg['teacher']))
+    disc = prototypes.disc_bce(h, y, reduction)
+    ce = losses.cross_entropy_loss(z, y)
+    return ce + lambda_kd * kd + lambda_disc * disc, bs
+
+  def local_step(client, batch, key, msg, lr):
+    (loss, bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(client['params'], client, batch,
+                                                                  key, msg)
+    return ssl_client.apply_gradients(spec, client, grads, lr, batch_stats=bs), loss
+
+  return Algorithm(
+      name='repshare', init=init, broadcast=broadcast, begin=begin, local_step=local_step,
+      end=lambda start, client, msg: client,
+      upload=lambda client, msg, local: summarize(client, local),
+      aggregate=lambda server, payloads, weights, ids: store_uploads(server, payloads, ids),
+      eval_variables=lambda state: (variables_of(state.clients), True),
+      encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
+                                                          train=False),
+      classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
+      personalized=True, prepare=prepare, personalize=personalize)
