@@ -201,3 +201,20 @@ def test_train_logs_epsilon_every_round_and_reports_it(tmp_path):
   assert eps[0] == 0.0 and 0 < eps[1] < eps[2] <= 8.0   # no share in round 1, then 2 shares
   assert results['privacy']['epsilon'] == eps[2] == results['final']['epsilon']
   assert results['privacy']['planned_epsilon'] == pytest.approx(eps[2], rel=1e-12)
+
+
+def test_prepare_uploads_are_counted_in_the_round_metrics():
+  """FedSC uploads its [H, H] matrices inside `prepare`: the round's bytes_up counts one per share
+  (everyone at the first share round, the participants after) on top of the model uploads."""
+  algo = fedsc.make(_spec(), num_rounds=5, calr_views=1, calr_batch=16)
+  data, h = _data(), 5
+  cfg = rd.RoundConfig(clients_per_round=2, local_epochs=1, batch_size=4,
+                       lr_fn=lambda r: jnp.float32(0.01), strategy='vmap')
+  state = rd.init_state(algo, jax.random.PRNGKey(0), 4)
+  per = rd.message_bytes(algo, cfg, 4, state, data)[0]
+  assert per.down > per.up  # the model plus R̃_{-j} [H, H] and alpha come down
+  step = rd.make_round_step(algo, cfg, 4)
+  for r, sharers in enumerate((4, 2)):
+    state, metrics = step(state, data, jax.random.PRNGKey(r))
+    assert float(metrics['bytes_up']) == 2 * per.up + sharers * h * h * 4
+    assert float(metrics['bytes_down']) == 2 * per.down

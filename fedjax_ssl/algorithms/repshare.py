@@ -87,7 +87,10 @@ def eval_outputs(spec: ssl_client.ClientSpec, variables, x_uint8: jax.Array, chu
   params, bs = variables['params'], variables['batch_stats']
 
   def one(xc):
-    x = features.normalize_images(xc, jnp.asarray(spec.mean), jnp.asarray(spec.std))
+    # In the parameters' precision (float64 under x64), as the training step's inputs.
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    x = features.normalize_images(xc, jnp.asarray(spec.mean, dtype), jnp.asarray(spec.std, dtype),
+                                  dtype)
     s = spec.model.encoder.apply(_encoder_vars(params, bs), x, train=False)
     return s if kind == 'features' else head_apply(params, s)
 

@@ -17,9 +17,10 @@ import numpy as np
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
 
 
-def normalize_images(images_uint8: jax.Array, mean: jax.Array, std: jax.Array) -> jax.Array:
-  """(x / 255 - mean) / std per channel; uint8 [..., C] -> float32 [..., C]."""
-  x = images_uint8.astype(jnp.float32) / 255.0
+def normalize_images(images_uint8: jax.Array, mean: jax.Array, std: jax.Array,
+                     dtype=jnp.float32) -> jax.Array:
+  """(x / 255 - mean) / std per channel; uint8 [..., C] -> dtype (float32) [..., C]."""
+  x = images_uint8.astype(dtype) / 255.0
   return (x - mean) / std
 
 
