@@ -54,6 +54,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data_source = 'auto'          # sources.load_dataset `source`
   c.data_dir = ''                 # '' = the source's default location
   c.train_size = 0                # keep the first k training examples (0 = all; repshare's subsets)
+  c.subset_stats = False          # True: normalise with the kept subset's statistics (repshare code)
   c.num_clients = 10
   c.partition = 'dirichlet'       # iid | dirichlet | classes
   c.alpha = 0.5                   # Dirichlet concentration
@@ -361,6 +362,12 @@ def _validate_relay(config: ml_collections.ConfigDict) -> None:
   if config.num_clients < 2:
     raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for algorithm '
                          f"{name!r}: clients distil from the other clients' averages, need >= 2")
+  if config.reset_optimizer:
+    logging.warning('config.reset_optimizer = True with algorithm %r: the paper keeps each '
+                    "client's Adam state across rounds (reset_optimizer = False)", name)
+  if config.augmentation != 'none':
+    logging.warning("config.augmentation = %r with algorithm %r: the paper uses none ('none')",
+                    config.augmentation, name)
   if name == 'repshare':
     r = config.repshare
     cv.check_float_range('repshare.lambda_kd', r.lambda_kd, 0.0, None)
@@ -526,12 +533,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     _validate_fedsc(config)
   if config.algorithm == 'hetero_ssfl':
     _validate_hetero_ssfl(config)
-  if config.algorithm in ('repshare', 'fd'):
-    _validate_relay(config)
   elif config.hetero_ssfl.mix:
     raise cv.ConfigError(f'config.hetero_ssfl.mix = {config.hetero_ssfl.mix!r} is invalid with '
                          f'algorithm {config.algorithm!r}: several architectures in one federation '
                          "need algorithm 'hetero_ssfl'")
+  if config.algorithm in ('repshare', 'fd'):
+    _validate_relay(config)
+  if (config.ssl_method != 'supervised' and config.knn_k == 0 and config.probe_epochs == 0
+      and config.probe_std_epochs == 0):
+    raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
+                         f'invalid for ssl_method {config.ssl_method!r}: the run would report no '
+                         'accuracy; keep the kNN monitor (knn_k > 0) or a probe')
   cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
   if not config.drop_last and config.ssl_method != 'sc':
     raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '
@@ -739,9 +751,9 @@ def load_data(config: ml_collections.ConfigDict) -> Dataset:
     if config.train_size > len(ds.train_y):
       raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: the {ds.name} '
                            f'training split has only {len(ds.train_y)} examples')
-    # The normalisation statistics are those of the kept subset, as the code's load_data computes
-    # them after reducing.
-    mean, std = sources.channel_stats(ds.train_x[:config.train_size])
+    mean, std = ds.mean, ds.std
+    if config.subset_stats:  # the representation-sharing code's load_data normalises after reducing
+      mean, std = sources.channel_stats(ds.train_x[:config.train_size])
     ds = dataclasses.replace(ds, train_x=ds.train_x[:config.train_size],
                              train_y=ds.train_y[:config.train_size], mean=mean, std=std)
   return ds

@@ -113,7 +113,7 @@ def relay_reference_round(name, clients, server, data, key, round_idx, *, m, cfg
   server = {k: np.array(v) for k, v in server.items()}
   ids = [int(i) for i in np.asarray(rd.sample_participants(key, NUM_CLIENTS, m))]
   if round_idx == 0:  # prototypes of the untrained models (A8)
-    init_key = jax.random.fold_in(key, repshare.INIT_STREAM)
+    init_key = jax.random.fold_in(rng.server_key(key), repshare.INIT_STREAM)
     for cid in range(NUM_CLIENTS):
       client = _take(clients, cid)
       server['means'][cid], server['counts'][cid] = _np_class_means(
@@ -123,7 +123,7 @@ def relay_reference_round(name, clients, server, data, key, round_idx, *, m, cfg
         server['navg'][cid] = np.asarray(algo.upload(client, None, local)['navg'])
   if name != 'fd':
     server['partners'] = np.asarray(prototypes.relay_partners(
-        jax.random.fold_in(key, repshare.PARTNER_STREAM), NUM_CLIENTS, NUM_CLASSES,
+        jax.random.fold_in(rng.server_key(key), repshare.PARTNER_STREAM), NUM_CLIENTS, NUM_CLASSES,
         per_class=name == 'ours_literal'))
     glob = _np_weighted(server['means'], server['counts'])
   lr = cfg.lr_fn(round_idx)
@@ -278,11 +278,15 @@ def test_communication_matches_the_formulas():
   model = fedavg.shared_subset(SPEC, _take(state.clients, 0))
   size = sum(np.asarray(a).size for a in jax.tree_util.tree_leaves(model))
   assert fl == (4 * size, 4 * size)
-  # The round's metrics: m participants times the per-participant figures.
-  for name, (up, down) in (('ours', ours), ('fl', fl)):
-    algo, cfg, state, _ = _bytes(name)
-    _, metrics = rd.make_round_step(algo, cfg, NUM_CLIENTS)(state, _data(), jax.random.PRNGKey(5))
-    assert float(metrics['bytes_up']) == 4 * up and float(metrics['bytes_down']) == 4 * down
+  # The round's metrics: m participants times the per-participant figures (the same code path for
+  # every plain algorithm; FedSC's extra uploads are tested in test_fedsc.py).
+  # Round 0 adds every client's summary of its untrained model, uploaded inside `prepare` (A8).
+  algo, cfg, state, _ = _bytes('ours')
+  step = rd.make_round_step(algo, cfg, NUM_CLIENTS)
+  for r, extra in enumerate((NUM_CLIENTS, 0)):
+    state, metrics = step(state, _data(), jax.random.PRNGKey(5 + r))
+    assert float(metrics['bytes_up']) == (4 + extra) * ours.up
+    assert float(metrics['bytes_down']) == 4 * ours.down
 
 
 @pytest.mark.parametrize('encoder,image,params,bn_channels,ratio', [
@@ -335,6 +339,7 @@ def _config(**kw):
     (dict(ssl_method='byol'), "ssl_method = 'byol' is invalid for algorithm 'repshare'"),
     (dict(algorithm='fd', ssl_method='simclr'), "ssl_method = 'simclr' is invalid for algorithm 'fd'"),
     (dict(num_clients=1, clients_per_round=1), 'num_clients = 1 is invalid'),
+    ({'hetero_ssfl.mix': 'lenet5:3'}, "need algorithm 'hetero_ssfl'"),
     ({'repshare.reduction': 'max'}, 'repshare.reduction'),
     ({'repshare.partner': 'all'}, 'repshare.partner'),
     ({'repshare.n_avg': 0}, 'repshare.n_avg'),
@@ -352,3 +357,32 @@ def test_valid_config_builds():
   dataset = experiment.load_data(config)
   algo = experiment.build_algorithm(config, dataset)
   assert algo.name == 'repshare' and algo.classifier_apply is not None
+
+
+def test_evaluate_reports_each_clients_test_accuracy():
+  """`test_acc` is each personal classifier's accuracy on the whole test split (numpy argmax of
+  the model's logits), with the client mean, list and std."""
+  config = _config(knn_k=0, probe_epochs=0)
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  state = rd.init_state(algo, jax.random.PRNGKey(0), 3)
+  # Untrained classifiers all predict one class (10 % each); large random heads make them differ.
+  head = state.clients['params']['head']
+  kernel = np.random.RandomState(0).normal(0, 30, head['kernel'].shape).astype(np.float32)
+  state = state.replace(clients=dict(state.clients, params=dict(
+      state.clients['params'], head=dict(head, kernel=jnp.asarray(kernel)))))
+  out = experiment.evaluate(config, algo, state, dataset)
+  assert set(out) == {'test_acc', 'test_acc_client_std', 'test_acc_clients'}
+  model = experiment.client_spec(config, dataset).model
+  x = (dataset.test_x.astype(np.float32) / 255 - dataset.mean[0]) / dataset.std[0]
+  accs = []
+  for c in range(3):
+    v = {'params': _take(state.clients['params'], c),
+         'batch_stats': _take(state.clients['batch_stats'], c)}
+    logits = np.asarray(model.apply(v, jnp.asarray(x), train=False))
+    accs.append(np.mean(logits.argmax(-1) == dataset.test_y))
+  # The clients differ, so a mix-up of clients would show.
+  assert len(set(accs)) >= 2
+  np.testing.assert_allclose(out['test_acc_clients'], accs, atol=1.5 / len(dataset.test_y))
+  assert out['test_acc'] == pytest.approx(np.mean(out['test_acc_clients']), rel=1e-12)
+  assert out['test_acc_client_std'] == pytest.approx(np.std(out['test_acc_clients']), rel=1e-12)

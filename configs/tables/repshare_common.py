@@ -48,6 +48,7 @@ def paper_base():
   c = experiment.default_config()
   c.dataset = 'fashion_mnist'
   c.encoder, c.train_size, c.rounds = TASKS['fashion_mnist']
+  c.subset_stats = True         # normalised with the kept subset's statistics (A13)
   c.ssl_method = 'supervised'
   c.partition = 'iid'
   c.augmentation = 'none'

@@ -33,7 +33,7 @@ computes exactly what it did before they existed:
                                                       msg['public_x']: Hetero-SSFL's RAD)
   classifier_apply(variables, x)         -> logits  (supervised clients: the whole classifier in
                                                       inference mode, for test accuracy)
-  prepare_upload_bytes(server, new_server) -> bytes (what `prepare` received from clients this
+  prepare_upload_bytes(state, new_server) -> bytes  (what `prepare` received from clients this
                                                       round, for algorithms whose uploads happen
                                                       there: FedSC's matrices; float32 scalar)
 

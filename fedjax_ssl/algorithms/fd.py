@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from fedjax_ssl.algorithms import fedavg, repshare, ssl_client
 from fedjax_ssl.algorithms.base import Algorithm
+from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
 from fedjax_ssl.ops import prototypes
 from fedjax_ssl.ssl import losses
@@ -63,10 +64,16 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
   def prepare(state, data, ids, key):
     del ids
     def from_models():
-      fresh = repshare.initial_summaries(summarize, state.clients, data,
-                                         jax.random.fold_in(key, repshare.INIT_STREAM))
+      fresh = repshare.initial_summaries(
+          summarize, state.clients, data,
+          jax.random.fold_in(rng.server_key(key), repshare.INIT_STREAM))
       return {k: v.astype(state.server[k].dtype) for k, v in fresh.items()}
     return jax.lax.cond(state.round == 0, from_models, lambda: state.server)
+
+  def prepare_upload_bytes(state, server):
+    # Round 0: every client uploads the mean logits of its untrained model inside `prepare`.
+    row = comm.tree_bytes({k: server[k][0] for k in ('means', 'counts')})
+    return jnp.where(state.round == 0, float(server['means'].shape[0] * row), 0.0)
 
   def personalize(msg, cid):
     return {'teacher': prototypes.leave_one_out_prototypes(msg['means'], msg['counts'], cid)}
@@ -96,4 +103,5 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
-      personalized=True, prepare=prepare, personalize=personalize)
+      personalized=True, prepare=prepare, personalize=personalize,
+      prepare_upload_bytes=prepare_upload_bytes)

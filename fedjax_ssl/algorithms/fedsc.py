@@ -201,9 +201,9 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       weights = jnp.full_like(weights, 1.0 / weights.shape[0])
     return dict(server, model=weighted_mean(payloads, weights))
 
-  def prepare_upload_bytes(before, after):
+  def prepare_upload_bytes(state, after):
     """Bytes of the matrices uploaded in `prepare` this round (one [H, H] per new share)."""
-    fresh = jnp.sum(after['shares'] - before['shares']).astype(jnp.float32)
+    fresh = jnp.sum(after['shares'] - state.server['shares']).astype(jnp.float32)
     return fresh * float(comm.tree_bytes(after['cov'][0]))
 
   def host_metrics(state):

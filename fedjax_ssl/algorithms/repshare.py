@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from fedjax_ssl.algorithms import fedavg, ssl_client
 from fedjax_ssl.algorithms.base import Algorithm, LocalData
+from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
 from fedjax_ssl.eval import features
 from fedjax_ssl.models import layers
@@ -41,7 +42,7 @@ from fedjax_ssl.ssl import losses
 
 PARTNERS = ('user', 'per_class')
 INIT_PROTOTYPES = ('model', 'random')
-# fold_in tags of the server's draws inside a round key.
+# fold_in tags of the server's draws inside rng.server_key(round key).
 PARTNER_STREAM = 0x7A1
 INIT_STREAM = 0x7A2
 
@@ -176,8 +177,10 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
     clients = independent_clients(spec, key, num_clients)
     shape = (num_clients, num_classes, feature_dim)
     if init_prototypes == 'random':
+      # One random global prototype per class (every client's row holds it, so the weighted mean
+      # is that draw, not a shrunken average of N draws) and random relayed prototypes.
       k1, k2 = jax.random.split(jax.random.fold_in(key, INIT_STREAM))
-      means = jax.random.uniform(k1, shape, minval=-1.0, maxval=1.0)
+      means = jnp.broadcast_to(jax.random.uniform(k1, shape[1:], minval=-1.0, maxval=1.0), shape)
       navg = jax.random.uniform(k2, shape, minval=-1.0, maxval=1.0)
     else:  # filled from the initial models by the first `prepare`
       means, navg = jnp.zeros(shape), jnp.zeros(shape)
@@ -190,13 +193,21 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
     server = state.server
     if init_prototypes == 'model':
       def from_models():
-        fresh = initial_summaries(summarize, state.clients, data, jax.random.fold_in(key, INIT_STREAM))
+        fresh = initial_summaries(summarize, state.clients, data,
+                                  jax.random.fold_in(rng.server_key(key), INIT_STREAM))
         return dict(server, **{k: v.astype(server[k].dtype) for k, v in fresh.items()})
       server = jax.lax.cond(state.round == 0, from_models, lambda: server)
-    partners = prototypes.relay_partners(jax.random.fold_in(key, PARTNER_STREAM),
+    partners = prototypes.relay_partners(jax.random.fold_in(rng.server_key(key), PARTNER_STREAM),
                                          data.n.shape[0], num_classes,
                                          per_class=partner == 'per_class')
     return dict(server, partners=partners)
+
+  def prepare_upload_bytes(state, server):
+    # Round 0: every client uploads the summary of its untrained model inside `prepare`.
+    if init_prototypes != 'model':
+      return jnp.zeros((), jnp.float32)
+    row = comm.tree_bytes({k: server[k][0] for k in ('means', 'counts', 'navg')})
+    return jnp.where(state.round == 0, float(server['means'].shape[0] * row), 0.0)
 
   def broadcast(server):
     return {'global': prototypes.global_prototypes(server['means'], server['counts']),
@@ -237,4 +248,5 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
-      personalized=True, prepare=prepare, personalize=personalize)
+      personalized=True, prepare=prepare, personalize=personalize,
+      prepare_upload_bytes=prepare_upload_bytes)

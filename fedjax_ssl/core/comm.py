@@ -54,7 +54,7 @@ def per_slot_bytes(stacked_payloads: Any) -> int:
   return tree_bytes(stacked_payloads) // int(leaves[0].shape[0])
 
 
-def round_metrics(algo, msg: Any, payloads, participants, server_before=None, server_after=None
+def round_metrics(algo, msg: Any, payloads, participants, state, server_after
                   ) -> Dict[str, jax.Array]:
   """{'bytes_up', 'bytes_down'} float32 totals of one round (traced, inside the round step).
 
@@ -63,12 +63,12 @@ def round_metrics(algo, msg: Any, payloads, participants, server_before=None, se
     msg: the round's broadcast (before personalisation).
     payloads: per cohort, the uploads stacked over that cohort's slots.
     participants: per cohort, the number of real participants (int scalar, may be traced).
-    server_before, server_after: the server state before and after `prepare`, for
-      `algo.prepare_upload_bytes`.
+    state: the round's incoming FedState; server_after: the server state after `prepare` (both
+      for `algo.prepare_upload_bytes`).
   """
   down = tree_bytes(downlink_message(algo, msg))
   up = sum(jnp.asarray(k, jnp.float32) * per_slot_bytes(p) for p, k in zip(payloads, participants))
   total = sum(jnp.asarray(k, jnp.float32) for k in participants)
   if algo.prepare_upload_bytes is not None:
-    up = up + algo.prepare_upload_bytes(server_before, server_after)
+    up = up + algo.prepare_upload_bytes(state, server_after)
   return {'bytes_up': jnp.asarray(up, jnp.float32), 'bytes_down': total * float(down)}

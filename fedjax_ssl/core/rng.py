@@ -25,6 +25,15 @@ def sampling_key(rkey: jax.Array) -> jax.Array:
   return jax.random.fold_in(rkey, _SAMPLING_TAG)
 
 
+# The server's own draws of a round (e.g. relay partners) use a tag no client id reaches either.
+_SERVER_TAG = 0xFFFFFFFE
+
+
+def server_key(rkey: jax.Array) -> jax.Array:
+  """Key of the server's draws in this round (independent of every client's stream)."""
+  return jax.random.fold_in(rkey, _SERVER_TAG)
+
+
 def client_key(rkey: jax.Array, client_id) -> jax.Array:
   """Key of client `client_id` in this round: fold_in(round_key, client_id) (the design's rule)."""
   return jax.random.fold_in(rkey, client_id)

@@ -147,7 +147,7 @@ def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel,
   server = algo.aggregate(server, payloads, weights, ids)
   clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
   metrics = {'loss': jnp.mean(losses), 'lr': lr,
-             **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state.server, prepared)}
+             **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state, prepared)}
   return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
@@ -155,6 +155,7 @@ def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel,
                          payloads, losses, lr, m: int, msg):
   """Aggregate and scatter of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
+  prepared = server
   counts = tuple(jnp.where(s.valid, n, 0).astype(fdtype) for s, n in zip(slots, n_sel))
   total = sum(jnp.sum(c) for c in counts)
   server = algo.aggregate(server, payloads, tuple(c / total for c in counts), slots)
@@ -163,7 +164,8 @@ def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel,
       for stack, new, s in zip(state.clients, new_sel, slots))
   loss = sum(jnp.sum(jnp.where(s.valid, l, 0.0)) for s, l in zip(slots, losses)) / m
   metrics = {'loss': loss, 'lr': lr,
-             **comm.round_metrics(algo, msg, payloads, tuple(jnp.sum(s.valid) for s in slots))}
+             **comm.round_metrics(algo, msg, payloads, tuple(jnp.sum(s.valid) for s in slots), state,
+                                 prepared)}
   return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
 
