@@ -173,15 +173,21 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
   assert lines[1].split() == ['client', 'n'] + [str(c) for c in range(10)]
   assert re.fullmatch(r' total  200( +\d+){10}', lines[6]), lines[6]
   assert lines[7].startswith('fedavg / simclr, lenet5 encoder, 2 rounds; jax on cpu')
+  per = re.fullmatch(r'communication per participant and round: fedavg: up ([\d,]+) B, down '
+                     r'\1 B', lines[8])
+  assert per, lines[8]
   assert re.fullmatch(r'round 0/2  random-init encoder: knn_acc 0\.\d{4}  probe_acc 0\.\d{4}  '
-                      r'\(\d+\.\ds\)', lines[8]), lines[8]
+                      r'\(\d+\.\ds\)', lines[9]), lines[9]
   assert re.fullmatch(r'round 1/2  loss \d+\.\d{4}  knn_acc 0\.\d{4}  \(\d+s elapsed\)',
-                      lines[9]), lines[9]
+                      lines[10]), lines[10]
   assert re.fullmatch(r'round 2/2  loss \d+\.\d{4}  knn_acc 0\.\d{4}  probe_acc 0\.\d{4}  '
-                      r'\(\d+s elapsed\)', lines[10]), lines[10]
-  assert lines[11].startswith('linear probe accuracy: trained encoder')
-  assert lines[12].startswith('kNN accuracy:          trained encoder')
-  assert lines[13].startswith('results: ') and len(lines) == 14
+                      r'\(\d+s elapsed\)', lines[11]), lines[11]
+  # 2 rounds x 2 participants, FedAvg sends the model both ways.
+  total = f'{4 * int(per.group(1).replace(",", "")):,}'
+  assert lines[12] == f'communication: {total} B up, {total} B down in 2 rounds', lines[12]
+  assert lines[13].startswith('linear probe accuracy: trained encoder')
+  assert lines[14].startswith('kNN accuracy:          trained encoder')
+  assert lines[15].startswith('results: ') and len(lines) == 16
   # stderr: no library INFO (orbax's checkpoint chatter, absl/jax INFO lines); the bar is off
   # because stderr is not a terminal.
   for marker in _ORBAX_INFO:
