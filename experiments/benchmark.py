@@ -3,19 +3,26 @@ r"""Stacked round step vs a sequential per-client loop, on the same work, in one
   python -m experiments.benchmark --out results.json
   python -m experiments.benchmark --out results.json --models=small_cnn --clients=10,100
 
-For every (model, client count) the same FedBYOL round (E local steps of batch B per client, SGD with
-momentum, on-device augmentation included) runs
+For every (model, augmentation, client count) the same FedBYOL round (E local steps of batch B per
+client, SGD with momentum) runs
   * `stepwise`: the FedJAX `for_each_client` (jit backend) way, which is also how the official
     PyTorch codes run: Python loops over clients and over local steps, each batch gathered on the
     host, one jitted step call per batch;
   * `sequential`: the strongest per-client loop: one jitted call per client that runs its whole local
-    training as a scan, then a jitted aggregation;
-  * the stacked `round_step` under each execution strategy (vmap, map with chunk 1 and chunk 10, shard).
-All variants compute the same numbers (tests/test_round_equivalence.py). Every variant first runs one
-compiling round; then the timed rounds are interleaved across variants (round r of each variant, then
-round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
---repeats), client-steps per second, the ratios to the stepwise and sequential loops, compile time,
-XLA's compiled-buffer estimate per stacked variant and the process's peak RSS per setting. All
+    training as a loop, then a jitted aggregation;
+  * the stacked `round_step` under each execution strategy (vmap, map with chunk 1 and chunk 10, shard);
+  * `torch`: with the model-compute preset on small_cnn, when torch is importable, the same round in
+    eager PyTorch (experiments/torch_round.py), timed in the same interleaved loop.
+Augmentations (--augmentations): `byol_easyfl` (on-device SimCLR-style augmentation, the papers'
+setting) and `flip` = model compute: the views differ only by a random horizontal flip, as PyTorch's
+two pre-made tensors differ. Not 'none': with identical views XLA computes the model once for both
+views (BUILD_NOTES, "Scan vs top-level step"), half the work PyTorch does.
+All JAX variants compute the same numbers (tests/test_round_equivalence.py). Every variant first runs
+one warm-up round; then the timed rounds are interleaved across variants (round r of each variant,
+then round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
+--repeats), client-steps per second, achieved GFLOP/s (XLA's flop count of one jitted local step
+times the round's steps), the ratios to the stepwise and sequential loops and to PyTorch, compile
+time, XLA's compiled-buffer estimate per stacked variant and the process's peak RSS per setting. All
 variants of a setting are resident at once; `--nointerleave` times them one at a time instead, for
 settings that do not fit in memory together (ResNet-18 on a 24 GB CPU box).
 """
@@ -48,10 +55,12 @@ _BATCH = flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds per variant (after one warm-up).')
 _VARIANTS = flags.DEFINE_list('variants', ['stepwise', 'sequential', 'vmap', 'map', 'map10', 'shard'],
                               'Which execution variants to time.')
-_AUGMENTATION = flags.DEFINE_string(
-    'augmentation', 'byol_easyfl',
-    "Augmentation preset of the views ('none' = model compute only, to compare with "
-    'experiments/torch_reference.py).')
+_AUGMENTATIONS = flags.DEFINE_list(
+    'augmentations', ['byol_easyfl', 'flip'],
+    "Augmentation presets of the views, one row each ('flip' = model compute, beside PyTorch).")
+_TORCH = flags.DEFINE_bool(
+    'torch', True, 'Time the eager-PyTorch round (experiments/torch_round.py) beside the '
+    "'flip' rows of small_cnn when torch is importable.")
 _INTERLEAVE = flags.DEFINE_bool(
     'interleave', True,
     'Keep every variant of a setting resident and interleave their timed rounds (robust ratios on a '
@@ -68,7 +77,10 @@ _SETTINGS = {
 }
 
 
-def _config(model: str, num_clients: int, strategy: str, chunk: int):
+MODEL_COMPUTE = 'flip'  # the preset whose rows compare with eager PyTorch
+
+
+def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentation: str):
   c = experiment.default_config()
   c.encoder = model
   c.heads = _SETTINGS[model]['heads']
@@ -78,7 +90,7 @@ def _config(model: str, num_clients: int, strategy: str, chunk: int):
   c.lr = 0.05
   c.strategy = strategy
   c.map_chunk_size = chunk
-  c.augmentation = _AUGMENTATION.value
+  c.augmentation = augmentation
   return c
 
 
@@ -110,12 +122,44 @@ _VARIANT_STRATEGY = {'stepwise': ('vmap', 1), 'sequential': ('vmap', 1), 'vmap':
                      'map': ('map', 1), 'map10': ('map', 10), 'shard': ('shard', 1)}
 
 
-def prepare_variant(model: str, num_clients: int, variant: str) -> Dict[str, Any]:
-  """Builds a variant and runs its first (compiling) round; {'skipped': why} if it cannot run."""
+def torch_available() -> bool:
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+def flops_per_client_step(model: str, augmentation: str) -> float:
+  """XLA's flop count of one jitted local step (batch B, augmentation included) of the benchmark."""
+  config = _config(model, 1, 'vmap', 1, augmentation)
+  fed, ds = _data(_SETTINGS[model]['shape'], 1, _BATCH.value)
+  algo = experiment.build_algorithm(config, ds)
+  state = rd.init_state(algo, jax.random.PRNGKey(0), 1)
+  client = jax.tree_util.tree_map(lambda a: a[0], state.clients)
+  msg = algo.broadcast(state.server)
+  batch = {'x': fed.x[0], 'y': fed.y[0]}
+  cost = jax.jit(algo.local_step).lower(client, batch, jax.random.PRNGKey(0), msg,
+                                        jnp.float32(0.05)).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0))
+
+
+def prepare_variant(model: str, num_clients: int, variant: str, augmentation: str
+                    ) -> Dict[str, Any]:
+  """Builds a variant and runs its first (compiling) round; {'skipped': why} if it cannot run.
+
+  Returns a dict whose 'run'(r) runs (and waits for) timed round r."""
+  if variant == 'torch':
+    from experiments import torch_round  # pylint: disable=g-import-not-at-top
+    one_round = torch_round.build_round(num_clients, _STEPS.value, _BATCH.value)
+    t0 = time.perf_counter()
+    one_round()
+    return dict(run=lambda r: one_round(), times=[], first=time.perf_counter() - t0)
   strategy, chunk = _VARIANT_STRATEGY[variant]
   if strategy == 'shard' and num_clients % jax.device_count():
     return {'skipped': f'{num_clients} clients not divisible by {jax.device_count()} devices'}
-  config = _config(model, num_clients, strategy, chunk)
+  config = _config(model, num_clients, strategy, chunk, augmentation)
   fed, ds = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
   algo = experiment.build_algorithm(config, ds)
   rcfg = experiment.round_config(config)
@@ -125,93 +169,120 @@ def prepare_variant(model: str, num_clients: int, variant: str) -> Dict[str, Any
     step = rd.make_sequential_round_step(algo, rcfg, num_clients)
   else:
     step = rd.make_round_step(algo, rcfg, num_clients)
-  state = rd.init_state(algo, jax.random.PRNGKey(0), num_clients)
-  root = jax.random.PRNGKey(1)
+  p = dict(step=step, state=rd.init_state(algo, jax.random.PRNGKey(0), num_clients), fed=fed,
+           root=jax.random.PRNGKey(1), times=[])
+
+  def run(r):
+    p['state'], p['metrics'] = step(p['state'], fed, rng.round_key(p['root'], r))
+    jax.block_until_ready(p['state'])
   t0 = time.perf_counter()
-  state, metrics = step(state, fed, rng.round_key(root, 0))
-  jax.block_until_ready(state)
-  return dict(step=step, state=state, fed=fed, root=root, metrics=metrics, times=[],
-              first=time.perf_counter() - t0)
+  run(0)
+  p.update(run=run, first=time.perf_counter() - t0)
+  return p
 
 
 def _time_round(p: Dict[str, Any], r: int) -> None:
   t0 = time.perf_counter()
-  p['state'], p['metrics'] = p['step'](p['state'], p['fed'], rng.round_key(p['root'], r))
-  jax.block_until_ready(p['state'])
+  p['run'](r)
   p['times'].append(time.perf_counter() - t0)
 
 
-def _summary(p: Dict[str, Any], variant: str, num_clients: int) -> Dict[str, Any]:
+def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: float
+             ) -> Dict[str, Any]:
   """Timing record of a prepared and timed variant."""
   if 'skipped' in p:
     return p
   sec = statistics.median(p['times'])
+  steps = num_clients * _STEPS.value
   out = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
          'first_call_seconds': p['first'], 'compile_seconds_est': max(p['first'] - sec, 0.0),
-         'client_steps_per_second': num_clients * _STEPS.value / sec,
-         'loss': float(p['metrics']['loss'])}
+         'client_steps_per_second': steps / sec, 'gflops': flops_per_step * steps / sec / 1e9}
+  if variant == 'torch':
+    return out
+  out['loss'] = float(p['metrics']['loss'])
   if variant not in BASELINES:
     out.update(_compiled_mb(p['step'], p['state'], p['fed'], rng.round_key(p['root'], 99)))
   return out
 
 
-def time_setting(model: str, num_clients: int, variants: List[str]) -> Dict[str, Dict]:
+def time_setting(model: str, num_clients: int, variants: List[str], augmentation: str
+                 ) -> Dict[str, Dict]:
   """Times every variant on the same work. With --interleave (default) all variants are prepared
   first and their timed rounds interleaved (round r of every variant, then round r + 1), so drift in
   the machine's speed (shared or throttled CPUs) hits all variants alike and the ratios stay
   meaningful; otherwise one variant at a time, each freed before the next."""
+  flops = flops_per_client_step(model, augmentation)
   if not _INTERLEAVE.value:
     results = {}
     for v in variants:
-      p = prepare_variant(model, num_clients, v)
+      p = prepare_variant(model, num_clients, v, augmentation)
       if 'skipped' not in p:
         for r in range(1, _REPEATS.value + 1):
           _time_round(p, r)
           if p['times'][-1] > _MAX_SECONDS.value:
             break
-      results[v] = _summary(p, v, num_clients)
+      results[v] = _summary(p, v, num_clients, flops)
       del p  # this variant's state and executables go before the next one is built
       gc.collect()
     return results
-  prepared = {v: prepare_variant(model, num_clients, v) for v in variants}
+  prepared = {v: prepare_variant(model, num_clients, v, augmentation) for v in variants}
   live = [v for v in variants if 'skipped' not in prepared[v]]
   for r in range(_REPEATS.value):
     for v in list(live):
       _time_round(prepared[v], r + 1)
       if prepared[v]['times'][-1] > _MAX_SECONDS.value:
         live.remove(v)
-  return {v: _summary(p, v, num_clients) for v, p in prepared.items()}
+  return {v: _summary(p, v, num_clients, flops) for v, p in prepared.items()}
+
+
+def setting_variants(model: str, augmentation: str) -> List[str]:
+  """--variants, plus 'torch' for the model-compute rows of small_cnn when torch is importable."""
+  variants = list(_VARIANTS.value)
+  if (_TORCH.value and model == 'small_cnn' and augmentation == MODEL_COMPUTE and
+      torch_available()):
+    variants.append('torch')
+  return variants
 
 
 def run() -> List[Dict]:
   rows = []
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
           'default_strategy': strategies.default_strategy(), 'local_steps': _STEPS.value,
-          'batch_size': _BATCH.value, 'augmentation': _AUGMENTATION.value,
+          'batch_size': _BATCH.value, 'augmentations': list(_AUGMENTATIONS.value),
           'jax': jax.__version__}
+  if torch_available():
+    import torch  # pylint: disable=g-import-not-at-top
+    info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
   print(json.dumps(info))
+  comparisons = BASELINES + ('torch',)
   for model in _MODELS.value:
-    for num_clients in [int(c) for c in _CLIENTS.value]:
-      results = time_setting(model, num_clients, list(_VARIANTS.value))
-      for variant, r in results.items():
-        print(f'{model:10s} C={num_clients:4d} {variant:10s} {json.dumps(r)}', flush=True)
-      for baseline in BASELINES:
-        base = results.get(baseline, {}).get('seconds_per_round')
-        for r in results.values():
-          if base and 'seconds_per_round' in r:
-            r[f'speedup_vs_{baseline}'] = base / r['seconds_per_round']
-      row = {'model': model, 'clients': num_clients, 'results': results,
-             'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-      stats = jax.devices()[0].memory_stats() or {}
-      if 'peak_bytes_in_use' in stats:  # accelerators; cumulative over the process
-        row['device_peak_mb'] = stats['peak_bytes_in_use'] / 2**20
-      rows.append(row)
-      for baseline in BASELINES:
-        summary = ', '.join(f'{v}: {r[f"speedup_vs_{baseline}"]:.2f}x' for v, r in results.items()
-                            if f'speedup_vs_{baseline}' in r)
-        if summary:
-          print(f'==> {model} C={num_clients}: speed-up vs the {baseline} loop: {summary}',
+    for augmentation in _AUGMENTATIONS.value:
+      for num_clients in [int(c) for c in _CLIENTS.value]:
+        results = time_setting(model, num_clients, setting_variants(model, augmentation),
+                               augmentation)
+        for variant, r in results.items():
+          print(f'{model:10s} {augmentation:11s} C={num_clients:4d} {variant:10s} {json.dumps(r)}',
                 flush=True)
+        for baseline in comparisons:
+          base = results.get(baseline, {}).get('seconds_per_round')
+          for r in results.values():
+            if base and 'seconds_per_round' in r:
+              r[f'speedup_vs_{baseline}'] = base / r['seconds_per_round']
+        row = {'model': model, 'augmentation': augmentation, 'clients': num_clients,
+               'results': results,
+               'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        stats = jax.devices()[0].memory_stats() or {}
+        if 'peak_bytes_in_use' in stats:  # accelerators; cumulative over the process
+          row['device_peak_mb'] = stats['peak_bytes_in_use'] / 2**20
+        rows.append(row)
+        for baseline in comparisons:
+          summary = ', '.join(f'{v}: {r[f"speedup_vs_{baseline}"]:.2f}x'
+                              for v, r in results.items() if f'speedup_vs_{baseline}' in r)
+          if summary:
+            print(f'==> {model} {augmentation} C={num_clients}: speed-up vs {baseline}: {summary}',
+                  flush=True)
+        print(f'==> {model} {augmentation} C={num_clients}: GFLOP/s: ' + ', '.join(
+            f'{v}: {r["gflops"]:.1f}' for v, r in results.items() if 'gflops' in r), flush=True)
   return [info] + rows
 
 
@@ -232,9 +303,10 @@ def check_flags() -> None:
       raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
   if _BATCH.value < 2:
     raise cv.ConfigError(f'--batch_size = {_BATCH.value} is invalid: must be an integer >= 2')
-  if _AUGMENTATION.value not in augment.PRESETS:
-    raise cv.ConfigError(f'--augmentation = {_AUGMENTATION.value!r} is invalid: must be one of '
-                         f'{sorted(augment.PRESETS)}')
+  for value in _AUGMENTATIONS.value:
+    if value not in augment.PRESETS:
+      raise cv.ConfigError(f'--augmentations = {",".join(_AUGMENTATIONS.value)!r} is invalid: '
+                           f'{value!r} is not one of {sorted(augment.PRESETS)}')
 
 
 def main(argv):

@@ -10,4 +10,10 @@
   for r in range(config.rounds):
     state, metrics = round_step(state, fed_data, fs.core.round_key(root_key, r))
 """
-from fedjax_ssl import algorithms, core, data, eval, experiment, models, ssl  # noqa: F401
+from fedjax_ssl.core import host_memory as _host_memory
+
+# Before anything allocates: XLA:CPU executions then reuse freed temporaries instead of page-faulting
+# fresh ones on every call (core/host_memory.py; FEDJAX_SSL_MALLOC=system keeps glibc's defaults).
+_host_memory.keep_freed_memory()
+
+from fedjax_ssl import algorithms, core, data, eval, experiment, models, ssl  # noqa: E402,F401

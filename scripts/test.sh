@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS='[test]' source scripts/setup_env.sh
-exec .venv/bin/python -m pytest -n 2 --durations=15 "$@"
+exec .venv/bin/python -m pytest -n 2 --dist worksteal --durations=15 "$@"

@@ -7,22 +7,25 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_benchmark_variants_agree_and_ratios_are_consistent(tmp_path):
   out = tmp_path / 'bench.json'
   env = dict(os.environ, PYTHONPATH=str(REPO))
   env.pop('XLA_FLAGS', None)
   subprocess.run(
       [sys.executable, '-m', 'experiments.benchmark', f'--out={out}', '--models=small_cnn',
-       '--clients=3', '--local_steps=2', '--batch_size=8', '--repeats=1', '--augmentation=none',
-       '--variants=stepwise,sequential,map'],
+       '--clients=3', '--local_steps=2', '--batch_size=8', '--repeats=1', '--augmentations=flip',
+       '--variants=stepwise,sequential,map', '--notorch'],
       cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
   report = json.loads(out.read_text())
   assert report['info']['default_strategy'] == 'map'
   (row,) = report['rows']
+  assert row['augmentation'] == 'flip'
   res = row['results']
   assert set(res) == {'stepwise', 'sequential', 'map'}
   losses = [r['loss'] for r in res.values()]
@@ -30,7 +33,29 @@ def test_benchmark_variants_agree_and_ratios_are_consistent(tmp_path):
   for name, r in res.items():
     assert r['seconds_per_round'] > 0
     np.testing.assert_allclose(r['client_steps_per_second'] * r['seconds_per_round'], 3 * 2)
+    # Same work in every variant: GFLOP/s x seconds is the round's flop count for all of them.
+    np.testing.assert_allclose(r['gflops'] * r['seconds_per_round'],
+                               res['map']['gflops'] * res['map']['seconds_per_round'], rtol=1e-9)
     for base in ('stepwise', 'sequential'):
       np.testing.assert_allclose(r[f'speedup_vs_{base}'],
                                  res[base]['seconds_per_round'] / r['seconds_per_round'])
   assert 'compiled_mb' in res['map'] and 'compiled_mb' not in res['stepwise']
+
+
+def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation():
+  """'none' gives two identical views, which XLA computes once: the reason the benchmark's
+  model-compute rows use 'flip' (views that differ, as PyTorch's two input tensors do)."""
+  probe = ('from absl import flags\n'
+           'from experiments import benchmark\n'
+           "flags.FLAGS(['benchmark', '--batch_size=8'])\n"
+           "print(benchmark.flops_per_client_step('small_cnn', 'flip'), "
+           "benchmark.flops_per_client_step('small_cnn', 'none'))\n")
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env.pop('XLA_FLAGS', None)
+  out = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=env, check=True,
+                       capture_output=True, text=True, timeout=600)
+  flip, none = map(float, out.stdout.split())
+  # The step's flops are dominated by the two views' forward and backward passes (~0.2 GFLOP at
+  # batch 8); one shared view leaves about half.
+  assert 0.15e9 < flip < 0.3e9, flip
+  np.testing.assert_allclose(none / flip, 0.5, atol=0.03)

@@ -184,6 +184,7 @@ def test_bad_fedsc_configs_name_the_key(overrides, message):
     experiment.validate_config(config)
 
 
+@pytest.mark.slow
 def test_train_logs_epsilon_every_round_and_reports_it(tmp_path):
   """A tiny DP run of the binary: epsilon per round in metrics.jsonl (growing with the shares) and
   the final ledger value in results.json, equal to the planned one (full participation)."""

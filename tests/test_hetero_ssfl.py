@@ -81,6 +81,7 @@ def _check(variant, strategy, rounds, m=3):
 
 # Two rounds, so the stale cache and the participants-only K̄ matter; each strategy once (map
 # with chunks of 2 over a cohort's 3 slots: a full chunk and a remainder).
+@pytest.mark.slow
 @pytest.mark.parametrize('variant,strategy,rounds', [('default', 'vmap', 2), ('literal', 'map', 2)])
 def test_cohort_round_step_matches_reference_loop(variant, strategy, rounds):
   state = _check(variant, strategy, rounds)

@@ -179,6 +179,7 @@ def _check_rounds(name, strategy, m, rounds=2):
   return state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,strategy,m', [
     ('ours', 'vmap', 4), ('ours_literal', 'map', 3), ('fd', 'vmap', 4), ('fl', 'vmap', 4)])
 def test_round_step_equals_per_client_loop(name, strategy, m):

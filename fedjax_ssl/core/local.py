@@ -1,13 +1,18 @@
-"""Local training of ONE client as a `lax.scan` over a static number of steps.
+"""Local training of ONE client as a `lax.while_loop` over its real steps.
 
 A client with n examples runs E * steps_per_epoch(n) real steps, steps_per_epoch(n) = max(n // B, 1)
 (drop_last, as the EasyFL / FedU2 codes do; a client with fewer than B examples makes one step per epoch
 over a wrapped-around batch). With drop_last=False (the FedSC code's DataLoader) an epoch has
 ceil(n / B) steps; the last batch is filled by wrapping around and carries batch['mask'] (bool [B],
-False on the filler rows) so the loss can use the real batch size. The scan length is the same for every client (that of n_max); the surplus
-steps of smaller clients are masked no-ops, so E local epochs always mean E passes over that client's own
-data. Batches are read through a fresh permutation of the client's valid rows every epoch; padding rows
-are never read.
+False on the filler rows) so the loss can use the real batch size. E local epochs always mean E passes
+over that client's own data. Batches are read through a fresh permutation of the client's valid rows
+every epoch; padding rows are never read.
+
+The loop runs the client's own step count. Clients run one at a time (strategy 'map' with chunk 1)
+therefore cost their real steps only. Under `vmap` JAX turns the loop into one that runs until the
+longest participant is done, and a finished client keeps its state bit-for-bit (a select on the
+carry). The step is not wrapped in a `lax.cond` inside a `scan`: XLA does not merge identical work
+inside such a branch (BUILD_NOTES, "Scan vs top-level step").
 """
 from __future__ import annotations
 
@@ -24,12 +29,6 @@ def steps_per_epoch(n: jax.Array, batch_size: int, drop_last: bool = True) -> ja
   if drop_last:
     return jnp.maximum(n // batch_size, 1)
   return jnp.maximum((n + batch_size - 1) // batch_size, 1)
-
-
-def max_local_steps(n_max: int, batch_size: int, local_epochs: int, drop_last: bool = True) -> int:
-  """Static scan length: the step count of the largest possible client."""
-  per_epoch = n_max // batch_size if drop_last else -(-n_max // batch_size)
-  return local_epochs * max(per_epoch, 1)
 
 
 def epoch_permutations(ckey: jax.Array, n: jax.Array, n_max: int, local_epochs: int) -> jax.Array:
@@ -80,20 +79,16 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
   num_steps = local_epochs * steps_per_epoch(n, batch_size, drop_last)
   perms = epoch_permutations(ckey, n, n_max, local_epochs)
 
-  def step(carry, s):
+  def step(carry):
+    s, client, loss_sum = carry
     idx = batch_indices(perms, s, n, batch_size, drop_last)
     batch = {'x': x[idx], 'y': y[idx]}
     if not drop_last:
       batch['mask'] = batch_positions(s, n, batch_size, drop_last) < n
-    # Masked no-op: a finished client keeps its state bit-for-bit. `lax.cond` skips the work when
-    # clients run one at a time (strategy 'map' with chunk 1); under vmap it lowers to a select.
-    # The loss is a metric and is kept in float32 whatever the state's dtype (float64 under x64),
-    # so both branches agree without tracing the step twice.
-    def real_step(c):
-      c, loss = local_step(c, batch, rng.step_key(ckey, s), msg, lr)
-      return c, loss.astype(jnp.float32)
-    return jax.lax.cond(s < num_steps, real_step, lambda c: (c, jnp.zeros((), jnp.float32)), carry)
+    client, loss = local_step(client, batch, rng.step_key(ckey, s), msg, lr)
+    # The loss is a metric, kept in float32 whatever the state's dtype (float64 under x64).
+    return s + 1, client, loss_sum + loss.astype(jnp.float32)
 
-  total = max_local_steps(n_max, batch_size, local_epochs, drop_last)
-  client, losses = jax.lax.scan(step, client, jnp.arange(total))
-  return client, jnp.sum(losses) / num_steps
+  init = (jnp.zeros((), jnp.int32), client, jnp.zeros((), jnp.float32))
+  _, client, loss_sum = jax.lax.while_loop(lambda carry: carry[0] < num_steps, step, init)
+  return client, loss_sum / num_steps

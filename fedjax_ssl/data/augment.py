@@ -136,6 +136,10 @@ PRESETS = {
                             **_SIMCLR_CROP),
     # Identity (RepShare uses no augmentation; evaluation feature extraction uses none either).
     'none': AugmentConfig(),
+    # Random horizontal flip only: the cheapest pair of views that differ. With 'none' the two views of
+    # an SSL step are the same array and XLA computes the model once for both (common-subexpression
+    # elimination), so `experiments.benchmark` times model compute with this preset instead.
+    'flip': AugmentConfig(flip_prob=0.5),
 }
 
 
