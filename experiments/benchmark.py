@@ -28,7 +28,14 @@ settings that do not fit in memory together (ResNet-18 on a 24 GB CPU box).
 """
 from __future__ import annotations
 
-import gc
+import os
+
+# Before fedjax_ssl is imported: one malloc arena, so that no variant pays page faults for fresh
+# temporaries (core/host_memory.py). It helps the stepwise loop, whose every step is an execution,
+# most: the ratios are the conservative ones. An explicit FEDJAX_SSL_MALLOC wins.
+os.environ.setdefault('FEDJAX_SSL_MALLOC', 'one_arena')
+
+import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import resource
 import statistics
@@ -249,7 +256,7 @@ def run() -> List[Dict]:
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
           'default_strategy': strategies.default_strategy(), 'local_steps': _STEPS.value,
           'batch_size': _BATCH.value, 'augmentations': list(_AUGMENTATIONS.value),
-          'jax': jax.__version__}
+          'jax': jax.__version__, 'malloc': os.environ.get('FEDJAX_SSL_MALLOC')}
   if torch_available():
     import torch  # pylint: disable=g-import-not-at-top
     info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
