@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_ssl import models
+from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import fedavg, fedema, fedu, ssl_client
 from fedjax_ssl.algorithms.base import weighted_mean
 from fedjax_ssl.algorithms.divergence import conv_divergence
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import Dataset
 
 
 def _spec():
@@ -95,6 +96,36 @@ def test_cosine_schedule_and_sgd_match_pytorch_formulas():
   np.testing.assert_allclose(np.asarray(params), p, rtol=1e-6)
   with pytest.raises(ValueError, match="optimizer.name = 'rmsprop'"):
     optim.make_optimizer('rmsprop')
+
+
+def test_plain_sgd_is_the_gradient_and_trains():
+  """momentum = 0 and weight_decay = 0 leave no transform (optax rejects an empty chain): the
+  direction is the gradient itself, and a supervised FedAvg local step runs with it."""
+  tx = optim.make_optimizer('sgd', momentum=0.0, weight_decay=0.0)
+  params = jnp.asarray([1.0, -2.0])
+  state = tx.init(params)
+  for g in ([3.0, 4.0], [0.5, -1.0]):
+    upd, state = tx.update(jnp.asarray(g), state, params)
+    np.testing.assert_array_equal(np.asarray(upd), np.asarray(g, np.float32))
+  config = experiment.default_config()
+  config.update(dict(algorithm='fedavg', ssl_method='supervised', encoder='small_cnn',
+                     heads='custom', augmentation='none', momentum=0.0, weight_decay=0.0,
+                     num_clients=1, clients_per_round=1))
+  x = np.random.RandomState(0).randint(0, 256, (8, 28, 28, 1)).astype(np.uint8)
+  y = np.arange(8, dtype=np.int32) % 10
+  ds = Dataset(name='tiny', train_x=x, train_y=y, test_x=x, test_y=y, num_classes=10,
+               mean=(0.5,), std=(0.25,))
+  algo = experiment.build_algorithm(config, ds)
+  clients, server = algo.init(jax.random.PRNGKey(0), 1)
+  client = algo.begin(jax.tree_util.tree_map(lambda a: a[0], clients), algo.broadcast(server),
+                      jax.random.PRNGKey(1))
+  batch = {'x': jnp.asarray(x), 'y': jnp.asarray(y)}
+  new, loss = jax.jit(algo.local_step)(client, batch, jax.random.PRNGKey(2), algo.broadcast(server),
+                                       jnp.float32(0.1))
+  assert np.isfinite(float(loss))
+  moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree_util.tree_leaves(new['params']), jax.tree_util.tree_leaves(client['params']))]
+  assert max(moved) > 0
 
 
 @pytest.mark.parametrize('sync', ['keep', 'reset'])

@@ -35,7 +35,8 @@ def make_optimizer(name: str, *, momentum: float = 0.9, nesterov: bool = False,
       parts.append(optax.trace(decay=momentum, nesterov=nesterov))
   else:
     parts.append(optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8))
-  return optax.chain(*parts)
+  # Plain SGD has no transform at all; optax rejects an empty chain, so the direction is the gradient.
+  return optax.chain(*parts) if parts else optax.identity()
 
 
 def round_lr(base_lr: float, schedule: str, round_idx, num_rounds: int):
