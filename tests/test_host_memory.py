@@ -11,8 +11,8 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# A FedBYOL small-CNN step of batch 64 (its temporaries are ~43 MiB, above glibc's largest mmap
-# threshold of 32 MiB), jitted at top level; prints its temporary bytes and the minor page faults
+# A supervised FedAvg small-CNN step of batch 128 (its temporaries are ~53 MiB, above glibc's
+# largest mmap threshold of 32 MiB; a small program, so it compiles fast), jitted at top level; prints its temporary bytes and the minor page faults
 # per call after three warm-up calls (the least over 4 blocks of 5 calls: another process on the
 # cores can delay a free past the next call's allocation).
 _PROBE = r'''
@@ -24,10 +24,11 @@ from fedjax_ssl import experiment
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset
 c = experiment.default_config()
-c.encoder, c.heads, c.augmentation = 'small_cnn', 'custom', 'flip'
+c.algorithm, c.ssl_method = 'fedavg', 'supervised'
+c.encoder, c.heads, c.augmentation = 'small_cnn', 'custom', 'none'
 c.num_clients = c.clients_per_round = 1
-x = np.random.RandomState(0).randint(0, 256, (64, 28, 28, 1)).astype(np.uint8)
-y = np.zeros(64, np.int32)
+x = np.random.RandomState(0).randint(0, 256, (128, 28, 28, 1)).astype(np.uint8)
+y = np.zeros(128, np.int32)
 ds = Dataset(name='probe', train_x=x, train_y=y, test_x=x, test_y=y, num_classes=10,
              mean=(0.5,), std=(0.25,))
 algo = experiment.build_algorithm(c, ds)
