@@ -2,6 +2,21 @@ r"""Stacked round step vs a sequential per-client loop, on the same work, in one
 
   python -m experiments.benchmark --out results.json
   python -m experiments.benchmark --out results.json --models=small_cnn --clients=10,100
+  python -m experiments.benchmark --setting=cross_device --clients=1000 --out cd1000.json
+
+Two settings (--setting):
+  * `byol` (default): a FedBYOL round, every client participating, SGD with momentum; the models,
+    augmentations and client counts of the flags below.
+  * `cross_device`: the standard cross-device round of the FL-simulator literature. Supervised
+    FedAvg of `cross_device_cnn` (conv3x3 32 -> pool -> conv3x3 64 -> pool -> dense 128 -> dense 10,
+    545,098 parameters) on synthetic CIFAR-10-shaped data, 50 examples per client, --participants
+    (default 50) sampled per round from --clients (default 1000,10000), 1 local epoch of batch 10,
+    plain SGD at lr 0.1 (no momentum, no weight decay), no augmentation: 250 local steps and 87.5
+    GFLOP per round. Clients are stateless (nothing is stored per client), so memory is the data
+    plus the server and the round's participants; each row reports the process's peak RSS (run one
+    client count per process to read it per count). Variant `map_whole_state` is the same round
+    with every client's whole state stored (FedAvg's stateful twin, what the engine did before
+    stateless clients), for the memory comparison; run it in a process of its own.
 
 For every (model, augmentation, client count) the same FedBYOL round (E local steps of batch B per
 client, SGD with momentum) runs
@@ -28,19 +43,14 @@ settings that do not fit in memory together (ResNet-18 on a 24 GB CPU box).
 """
 from __future__ import annotations
 
-import os
-
-# Before fedjax_ssl is imported: one malloc arena, so that no variant pays page faults for fresh
-# temporaries (core/host_memory.py). It helps the stepwise loop, whose every step is an execution,
-# most: the ratios are the conservative ones. An explicit FEDJAX_SSL_MALLOC wins.
-os.environ.setdefault('FEDJAX_SSL_MALLOC', 'one_arena')
-
-import gc  # pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
+import gc
 import json
+import os
 import resource
 import statistics
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from absl import flags
 import jax
@@ -49,11 +59,17 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
+from fedjax_ssl.algorithms import fedavg
+from fedjax_ssl.algorithms.base import restore_client
 from fedjax_ssl.core import rng, strategies
 from fedjax_ssl.data import augment
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset, FedData
 
+_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device'],
+                             'Which round to time (module docstring).')
+_PARTICIPANTS = flags.DEFINE_integer(
+    'participants', 0, 'Clients sampled per round; 0 = every client (byol) or 50 (cross_device).')
 _OUT = flags.DEFINE_string('out', 'results.json', 'Where to write the JSON results.')
 _MODELS = flags.DEFINE_list('models', ['small_cnn', 'resnet18'], 'Encoders to benchmark.')
 _CLIENTS = flags.DEFINE_list('clients', ['10', '100'], 'Client counts (all participate).')
@@ -81,35 +97,67 @@ _MAX_SECONDS = flags.DEFINE_float(
 _SETTINGS = {
     'small_cnn': dict(shape=(28, 28, 1), heads='custom'),
     'resnet18': dict(shape=(32, 32, 3), heads='fedu2'),
+    'cross_device_cnn': dict(shape=(32, 32, 3), heads='custom'),
 }
+
+# Flag defaults of the cross-device setting (an explicitly given flag wins).
+CROSS_DEVICE_DEFAULTS = dict(models=['cross_device_cnn'], clients=['1000', '10000'], local_steps=5,
+                             batch_size=10, augmentations=['none'], participants=50,
+                             variants=['stepwise', 'sequential', 'vmap', 'map'])
 
 
 MODEL_COMPUTE = 'flip'  # the preset whose rows compare with eager PyTorch
+
+
+def participants(num_clients: int) -> int:
+  """m of a setting with `num_clients` clients: --participants (capped at C), 0 = every client."""
+  return min(_PARTICIPANTS.value, num_clients) if _PARTICIPANTS.value else num_clients
 
 
 def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentation: str):
   c = experiment.default_config()
   c.encoder = model
   c.heads = _SETTINGS[model]['heads']
-  c.num_clients = c.clients_per_round = num_clients
+  c.num_clients = num_clients
+  c.clients_per_round = participants(num_clients)
   c.local_epochs = 1
   c.batch_size = _BATCH.value
   c.lr = 0.05
   c.strategy = strategy
   c.map_chunk_size = chunk
   c.augmentation = augmentation
+  if _SETTING.value == 'cross_device':
+    c.algorithm, c.ssl_method = 'fedavg', 'supervised'
+    c.optimizer, c.momentum, c.weight_decay = 'sgd', 0.0, 0.0
+    c.lr, c.lr_schedule = 0.1, 'constant'
   return c
 
 
+def synthetic_images(key: jax.Array, shape: Tuple[int, ...], chunk: int = 256) -> jax.Array:
+  """Uniform random uint8 array of `shape`, generated on the device `chunk` rows (clients) at a
+  time into one donated buffer, so that the peak memory is the data plus one chunk (no host copy
+  and no second device copy of 1.5 GB at 10,000 CIFAR-shaped clients)."""
+  @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+  def fill(buf, start, k, rows):
+    block = jax.random.bits(k, (rows,) + tuple(shape[1:]), jnp.uint8)
+    return jax.lax.dynamic_update_slice_in_dim(buf, block, start, 0)
+
+  buf = jnp.zeros(shape, jnp.uint8)
+  for i, start in enumerate(range(0, shape[0], chunk)):
+    buf = fill(buf, start, jax.random.fold_in(key, i), min(chunk, shape[0] - start))
+  return buf
+
+
+@functools.lru_cache(maxsize=1)
 def _data(shape, num_clients: int, per_client: int):
-  """Synthetic uint8 data: the timing does not depend on pixel values."""
+  """Synthetic data: the timing does not depend on pixel values. One copy on the device, shared by
+  the variants of a setting."""
   h, w, ch = shape
-  rs = np.random.RandomState(0)
-  x = rs.randint(0, 256, (num_clients, per_client, h, w, ch)).astype(np.uint8)
-  y = rs.randint(0, 10, (num_clients, per_client)).astype(np.int32)
-  fed = FedData(x=jnp.asarray(x), y=jnp.asarray(y),
-                n=jnp.full((num_clients,), per_client, jnp.int32))
-  ds = Dataset(name='bench', train_x=x[0], train_y=y[0], test_x=x[0], test_y=y[0], num_classes=10,
+  x = synthetic_images(jax.random.PRNGKey(0), (num_clients, per_client, h, w, ch))
+  y = jax.random.randint(jax.random.PRNGKey(1), (num_clients, per_client), 0, 10, jnp.int32)
+  fed = FedData(x=x, y=y, n=jnp.full((num_clients,), per_client, jnp.int32))
+  x0, y0 = np.asarray(x[0]), np.asarray(y[0])
+  ds = Dataset(name='bench', train_x=x0, train_y=y0, test_x=x0, test_y=y0, num_classes=10,
                mean=(0.5,) * ch, std=(0.25,) * ch)
   return fed, ds
 
@@ -126,7 +174,22 @@ def _compiled_mb(step, state, fed, key) -> Dict[str, float]:
 
 BASELINES = ('stepwise', 'sequential')
 _VARIANT_STRATEGY = {'stepwise': ('vmap', 1), 'sequential': ('vmap', 1), 'vmap': ('vmap', 1),
-                     'map': ('map', 1), 'map10': ('map', 10), 'shard': ('shard', 1)}
+                     'map': ('map', 1), 'map10': ('map', 10), 'shard': ('shard', 1),
+                     'map_whole_state': ('map', 1)}
+
+
+def current_rss_mb() -> float:
+  """The process's resident memory now (after the timed rounds): the steady state of a run, which
+  the peak exceeds by the transients (compilation, the host copy of the synthetic data)."""
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmRSS:'):
+        return int(line.split()[1]) / 1024
+  return float('nan')
+
+
+def _tree_mb(tree) -> float:
+  return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree)) / 2**20
 
 
 def torch_available() -> bool:
@@ -143,8 +206,8 @@ def flops_per_client_step(model: str, augmentation: str) -> float:
   fed, ds = _data(_SETTINGS[model]['shape'], 1, _BATCH.value)
   algo = experiment.build_algorithm(config, ds)
   state = rd.init_state(algo, jax.random.PRNGKey(0), 1)
-  client = jax.tree_util.tree_map(lambda a: a[0], state.clients)
   msg = algo.broadcast(state.server)
+  client = restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], state.clients), msg)
   batch = {'x': fed.x[0], 'y': fed.y[0]}
   cost = jax.jit(algo.local_step).lower(client, batch, jax.random.PRNGKey(0), msg,
                                         jnp.float32(0.05)).compile().cost_analysis()
@@ -170,6 +233,9 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   fed, ds = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
   algo = experiment.build_algorithm(config, ds)
   rcfg = experiment.round_config(config)
+  if variant == 'map_whole_state':
+    # The stateful twin: every client's whole state stored, as before stateless clients.
+    algo = fedavg.make(experiment.client_spec(config, ds), stateless=False)
   if variant == 'stepwise':
     step = rd.make_stepwise_round_step(algo, rcfg, num_clients)
   elif variant == 'sequential':
@@ -200,13 +266,17 @@ def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: 
   if 'skipped' in p:
     return p
   sec = statistics.median(p['times'])
-  steps = num_clients * _STEPS.value
+  steps = participants(num_clients) * _STEPS.value
   out = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
          'first_call_seconds': p['first'], 'compile_seconds_est': max(p['first'] - sec, 0.0),
          'client_steps_per_second': steps / sec, 'gflops': flops_per_step * steps / sec / 1e9}
   if variant == 'torch':
     return out
   out['loss'] = float(p['metrics']['loss'])
+  # What the run keeps between rounds: the server and the per-client stored states (none for
+  # stateless clients); the data is counted apart, in the row.
+  out['state_mb'] = _tree_mb(p['state'])
+  out['client_state_mb'] = _tree_mb(p['state'].clients)
   if variant not in BASELINES:
     out.update(_compiled_mb(p['step'], p['state'], p['fed'], rng.round_key(p['root'], 99)))
   return out
@@ -254,6 +324,8 @@ def setting_variants(model: str, augmentation: str) -> List[str]:
 def run() -> List[Dict]:
   rows = []
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
+          'setting': _SETTING.value, 'participants': _PARTICIPANTS.value,
+          'cpu_affinity': sorted(os.sched_getaffinity(0)),
           'default_strategy': strategies.default_strategy(), 'local_steps': _STEPS.value,
           'batch_size': _BATCH.value, 'augmentations': list(_AUGMENTATIONS.value),
           'jax': jax.__version__, 'malloc': os.environ.get('FEDJAX_SSL_MALLOC')}
@@ -275,9 +347,12 @@ def run() -> List[Dict]:
           for r in results.values():
             if base and 'seconds_per_round' in r:
               r[f'speedup_vs_{baseline}'] = base / r['seconds_per_round']
+        fed, _ = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
         row = {'model': model, 'augmentation': augmentation, 'clients': num_clients,
-               'results': results,
-               'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+               'participants': participants(num_clients), 'results': results,
+               'data_mb': _tree_mb(fed),
+               'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+               'rss_mb': current_rss_mb()}
         stats = jax.devices()[0].memory_stats() or {}
         if 'peak_bytes_in_use' in stats:  # accelerators; cumulative over the process
           row['device_peak_mb'] = stats['peak_bytes_in_use'] / 2**20
@@ -305,6 +380,9 @@ def check_flags() -> None:
     if not value.isdigit() or int(value) < 1:
       raise cv.ConfigError(f'--clients = {",".join(_CLIENTS.value)!r} is invalid: must be '
                            'comma-separated integers >= 1')
+  if _PARTICIPANTS.value < 0:
+    raise cv.ConfigError(f'--participants = {_PARTICIPANTS.value} is invalid: must be >= 0 '
+                         '(0 = every client)')
   for name, value in (('local_steps', _STEPS.value), ('repeats', _REPEATS.value)):
     if value < 1:
       raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
@@ -316,8 +394,18 @@ def check_flags() -> None:
                            f'{value!r} is not one of {sorted(augment.PRESETS)}')
 
 
+def apply_setting_defaults() -> None:
+  """The cross-device setting's flag defaults, for every flag not given on the command line."""
+  if _SETTING.value != 'cross_device':
+    return
+  for name, value in CROSS_DEVICE_DEFAULTS.items():
+    if not flags.FLAGS[name].present:
+      flags.FLAGS[name].value = value
+
+
 def main(argv):
   del argv
+  apply_setting_defaults()
   check_flags()
   rows = run()
   with open(_OUT.value, 'w') as f:

@@ -21,6 +21,7 @@ import numpy as np
 import fedjax_ssl  # noqa: F401  (its import applies core/host_memory)
 import jax, jax.numpy as jnp
 from fedjax_ssl import experiment
+from fedjax_ssl.algorithms.base import restore_client
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset
 c = experiment.default_config()
@@ -33,10 +34,11 @@ ds = Dataset(name='probe', train_x=x, train_y=y, test_x=x, test_y=y, num_classes
              mean=(0.5,), std=(0.25,))
 algo = experiment.build_algorithm(c, ds)
 state = rd.init_state(algo, jax.random.PRNGKey(0), 1)
-client = jax.tree_util.tree_map(lambda a: a[0], state.clients)
+msg = algo.broadcast(state.server)
+client = restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], state.clients), msg)
 step = jax.jit(algo.local_step)
-args = (client, {'x': jnp.asarray(x), 'y': jnp.asarray(y)}, jax.random.PRNGKey(1),
-        algo.broadcast(state.server), jnp.float32(0.05))
+args = (client, {'x': jnp.asarray(x), 'y': jnp.asarray(y)}, jax.random.PRNGKey(1), msg,
+        jnp.float32(0.05))
 temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
 for _ in range(3):
   jax.block_until_ready(step(*args))

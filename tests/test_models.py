@@ -184,10 +184,25 @@ def test_small_encoder_param_counts():
       'hetero_cnn': (conv_count(5, 3, 64, True) + conv_count(5, 64, 128, True)
                      + dense_count(5 * 5 * 128, 256) + dense_count(256, 128)),
       'mlp': dense_count(3072, 512) + dense_count(512, 256) + dense_count(256, 128),
+      'cross_device_cnn': (conv_count(3, 3, 32, True) + conv_count(3, 32, 64, True)
+                           + dense_count(8 * 8 * 64, 128)),
   }
   for name, expected in cases.items():
     params = shape_params(models.get_encoder(name), models.input_shape(name))['params']
     assert models.count_params(params) == expected, name
+  # The cross-device benchmark's classifier: 545,098 parameters with its Dense(10).
+  assert cases['cross_device_cnn'] + dense_count(128, 10) == 545_098
+
+
+def test_cross_device_cnn_features_are_relu_outputs():
+  enc = models.get_encoder('cross_device_cnn')
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 32, 32, 3))
+  variables = enc.init(jax.random.PRNGKey(1), x, train=False)
+  feats = enc.apply(variables, x, train=False)
+  linear = models.get_encoder('cross_device_cnn', relu_features=False).apply(variables, x,
+                                                                              train=False)
+  np.testing.assert_array_equal(feats, jnp.maximum(linear, 0.0))
+  assert feats.shape == (4, 128) and float(jnp.min(linear)) < 0.0
 
 
 # ----------------------------------------------------------------------------- convolution
@@ -296,6 +311,24 @@ def test_conv_vmap_over_client_weights():
   g = {impl: jax.jit(jax.vmap(jax.grad(loss(impl))))(stacked, x) for impl in ('xla', 'im2col')}
   for a, b in zip(jax.tree_util.tree_leaves(g['xla']), jax.tree_util.tree_leaves(g['im2col'])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_patch_matmul_gradient_is_the_matmul_gradient_as_plain_gemms():
+  """patch_matmul's custom gradient equals d(cols @ k) exactly (float64 numpy), under vmap too, and
+  its kernel gradient compiles to a GEMM on the materialised transpose, not to a dot contracting
+  both operands' leading axis (XLA:CPU's slow path, BUILD_NOTES "Cross-device round")."""
+  with jax.enable_x64(True):
+    cols = randn(1, (3, 40, 12)).astype(np.float64)
+    kmat = randn(2, (3, 12, 5)).astype(np.float64)
+    cot = randn(3, (3, 40, 5)).astype(np.float64)
+    f = lambda c, k, g: jnp.sum(layers.patch_matmul(c, k) * g)
+    dc, dk = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1))))(cols, kmat, cot)
+    np.testing.assert_allclose(dc, np.einsum('bmn,bkn->bmk', cot, kmat), rtol=1e-12)
+    np.testing.assert_allclose(dk, np.einsum('bmk,bmn->bkn', cols, cot), rtol=1e-12)
+  hlo = jax.jit(jax.grad(lambda k, c: jnp.sum(layers.patch_matmul(c, k) ** 2))).lower(
+      jnp.zeros((288, 64)), jnp.zeros((2560, 288))).compile().as_text()
+  dots = [l for l in hlo.splitlines() if ' dot(' in l or '"__ynn_fusion"' in l]
+  assert dots and not any('lhs_contracting_dims={0}' in l for l in dots), dots
 
 
 def test_im2col_has_no_convolution_op():
@@ -484,7 +517,7 @@ def test_fixup_forward_with_nonzero_params():
 
 EXPECTED_DIMS = {'resnet18': 512, 'resnet34': 512, 'resnet50': 2048, 'lenet5': 84, 'resnet9': 128,
                  'resnet18_repshare': 256, 'fixup_resnet20': 512, 'small_cnn': 128,
-                 'hetero_cnn': 128, 'mlp': 128}
+                 'hetero_cnn': 128, 'mlp': 128, 'cross_device_cnn': 128}
 
 
 def test_registry_lists_every_encoder():

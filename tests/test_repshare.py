@@ -54,7 +54,10 @@ ALGOS = {
                                           lambda_kd=0.5, lambda_disc=2.0),
     'fd': lambda: fd.make(SPEC, num_classes=NUM_CLASSES, weight=0.7, temperature=2.0,
                           upload_batch=7),
-    'fl': lambda: fedavg.make(SPEC),
+    # The stateful twin (every client's whole state), so the loop below can start from it; the
+    # stateless FedAvg with persistent Adam equals this twin (test_round_equivalence,
+    # 'fedavg_supervised_adam').
+    'fl': lambda: fedavg.make(SPEC, stateless=False),
 }
 
 

@@ -67,11 +67,14 @@ def _spec(method, reset_optimizer=True, tx='sgd', fur=None, sc_mu=None):
 
 
 ALGOS = {
-    'fedbyol': lambda: fedavg.make(_spec('byol')),
-    'fedbyol_reset_target': lambda: fedavg.make(_spec('byol'), byol_target_sync='reset'),
-    'fedsimsiam': lambda: fedavg.make(_spec('simsiam')),
-    'fedsimclr': lambda: fedavg.make(_spec('simclr')),
-    'fedavg_supervised': lambda: fedavg.make(_spec('supervised')),
+    'fedbyol': lambda **kw: fedavg.make(_spec('byol'), **kw),
+    'fedbyol_reset_target': lambda **kw: fedavg.make(_spec('byol'), byol_target_sync='reset', **kw),
+    'fedsimsiam': lambda **kw: fedavg.make(_spec('simsiam'), **kw),
+    'fedsimclr': lambda **kw: fedavg.make(_spec('simclr'), **kw),
+    'fedavg_supervised': lambda **kw: fedavg.make(_spec('supervised'), **kw),
+    # Persistent Adam without a reset (representation sharing's FL): its moments persist.
+    'fedavg_supervised_adam': lambda **kw: fedavg.make(
+        _spec('supervised', reset_optimizer=False, tx='adam'), **kw),
     # A tiny threshold / scaler so both branches of the divergence rules are exercised.
     'fedu': lambda: fedu.make(_spec('byol'), dapu_threshold=0.05),
     'fedema': lambda: fedema.make(_spec('byol'), autoscaler_tau=0.5),
@@ -138,11 +141,31 @@ def _round_cfg(strategy, m, chunk=2, drop_last=True):
                         map_chunk_size=chunk, drop_last=drop_last)
 
 
+# Stateless algorithms (persist/restore: only what survives a round is stored per client). The
+# reference loop runs their stateful twin (`stateless=False`: every client's whole state stored, as
+# the engine did before stateless clients), so the equivalence shows they compute the same numbers.
+STATELESS = ('fedavg_supervised', 'fedavg_supervised_adam', 'fedbyol', 'fedbyol_reset_target', 'fedsimclr', 'fedsimsiam')
+
+
 @functools.lru_cache(maxsize=None)
-def _algo(name):
-  """One Algorithm object per name, so its jitted functions compile once per test session."""
-  algo = ALGOS[name]()
+def _algo(name, whole_state=False):
+  """One Algorithm object per name, so its jitted functions compile once per test session.
+  whole_state: the stateful twin of a STATELESS algorithm (the algorithm itself otherwise)."""
+  algo = ALGOS[name](stateless=False) if whole_state and name in STATELESS else ALGOS[name]()
   return algo, jax.jit(algo.local_step)
+
+
+def _overlay(full, stored):
+  """`full` with every entry that `stored` has replaced by stored's (dicts merged recursively): the
+  reference's whole client states carrying the engine's persistent parts."""
+  if not isinstance(stored, dict):
+    return stored
+  return {**full, **{k: _overlay(full[k], v) for k, v in stored.items()}}
+
+
+def _persisted(algo, clients):
+  """What the engine stores of whole stacked client states."""
+  return clients if algo.persist is None else jax.vmap(algo.persist)(clients)
 
 
 # float64 rounding (eps 1.1e-16) amplified through a round of these chaotic 8-sample BatchNorm
@@ -181,10 +204,11 @@ def _make_step(algo, cfg, baseline=None):
   return rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False)
 
 
-def _reference(name, state, data, key, r, cfg, perturb=None):
-  algo, local_step = _algo(name)
+def _reference(name, clients, server, data, key, r, cfg, perturb=None):
+  """The reference loop of the stateful twin from whole client states `clients`."""
+  algo, local_step = _algo(name, whole_state=True)
   return reference.reference_round(
-      algo, local_step, state.clients, state.server, data, key, r,
+      algo, local_step, clients, server, data, key, r,
       clients_per_round=cfg.clients_per_round, batch_size=BATCH, local_epochs=EPOCHS,
       lr_fn=cfg.lr_fn, aggregates=not name.startswith('independent'),
       aggregate=REFERENCE_AGGREGATES.get(name), drop_last=cfg.drop_last, perturb=perturb,
@@ -194,6 +218,18 @@ def _reference(name, state, data, key, r, cfg, perturb=None):
 @functools.lru_cache(maxsize=None)
 def _hooks(name):
   return REFERENCE_HOOKS[name]() if name in REFERENCE_HOOKS else (None, None)
+
+
+def _initial_states(name):
+  """(the engine's float64 initial FedState, the stateful twin's whole stacked client states). A
+  stateless algorithm's stored clients are the persistent part of its twin's (checked here)."""
+  algo, _ = _algo(name)
+  state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
+  twin = _float64(rd.init_state(_algo(name, whole_state=True)[0], jax.random.PRNGKey(3),
+                                NUM_CLIENTS))
+  _assert_tree_close(state.clients, _persisted(algo, twin.clients), f'{name} initial clients')
+  _assert_tree_close(state.server, twin.server, f'{name} initial server')
+  return state, twin.clients
 
 
 def _check_rounds(name, strategy, m, baseline=None, rounds=2):
@@ -209,13 +245,16 @@ def _check_rounds(name, strategy, m, baseline=None, rounds=2):
     data = _data()
     cfg = _round_cfg(strategy, m, drop_last=name not in RAGGED)
     step = _make_step(algo, cfg, baseline)
-    state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
+    state, full = _initial_states(name)
     for r in range(rounds):
       key = rng.round_key(jax.random.PRNGKey(7), r)
-      ref_clients, ref_server, ref_loss = _reference(name, state, data, key, r, cfg)
+      ref_clients, ref_server, ref_loss = _reference(
+          name, _overlay(full, state.clients), state.server, data, key, r, cfg)
       state, metrics = step(state, data, key)
       assert int(state.round) == r + 1
-      _assert_tree_close(state.clients, ref_clients, f'{name}/{strategy} round {r} clients')
+      _assert_tree_close(state.clients, _persisted(algo, ref_clients),
+                         f'{name}/{strategy} round {r} clients')
+      full = ref_clients
       _assert_tree_close(state.server, ref_server, f'{name}/{strategy} round {r} server')
       # The engine reports the loss in float32 (a metric): one float32 rounding of a float64 mean.
       np.testing.assert_allclose(float(metrics['loss']), ref_loss, rtol=1e-6)
@@ -253,13 +292,14 @@ def test_comparison_detects_a_wrong_batch_key_mask_weight_or_client():
     algo, _ = _algo('fedbyol')
     data = _data()
     cfg = _round_cfg('vmap', 4)
-    state = _float64(rd.init_state(algo, jax.random.PRNGKey(3), NUM_CLIENTS))
+    state, full = _initial_states('fedbyol')
     key = rng.round_key(jax.random.PRNGKey(7), 0)
     new, _ = _make_step(algo, cfg)(state, data, key)
     for perturb in (None,) + reference.PERTURBATIONS:
-      ref_clients, ref_server, _ = _reference('fedbyol', state, data, key, 0, cfg, perturb)
+      ref_clients, ref_server, _ = _reference('fedbyol', full, state.server, data, key, 0, cfg,
+                                              perturb)
       try:
-        _assert_tree_close(new.clients, ref_clients, 'clients')
+        _assert_tree_close(new.clients, _persisted(algo, ref_clients), 'clients')
         _assert_tree_close(new.server, ref_server, 'server')
         detected = False
       except AssertionError:
@@ -312,3 +352,18 @@ def test_bad_round_settings_raise_before_compile():
     rd.make_round_step(algo, _round_cfg('shard', 3), NUM_CLIENTS)
   with pytest.raises(ValueError, match="strategy = 'pmap'"):
     rd.make_round_step(algo, _round_cfg('pmap', 2), NUM_CLIENTS)
+
+
+def test_stateless_clients_store_only_what_persists():
+  """Per-client storage: nothing for FedAvg with the optimizer reset, the Adam moments without it,
+  BYOL's local target (and its first-participation flag) with target sync 'keep'."""
+  stored = {name: rd.init_state(_algo(name)[0], jax.random.PRNGKey(3), NUM_CLIENTS).clients
+            for name in STATELESS}
+  for name in ('fedavg_supervised', 'fedsimclr', 'fedsimsiam', 'fedbyol_reset_target'):
+    assert stored[name] == {}, name
+  assert sorted(stored['fedavg_supervised_adam']) == ['opt_state']
+  assert sorted(stored['fedbyol']) == ['extras', 'target']
+  assert sorted(stored['fedbyol']['extras']) == ['participated']
+  full = rd.init_state(_algo('fedavg_supervised_adam', whole_state=True)[0], jax.random.PRNGKey(3),
+                       NUM_CLIENTS).clients
+  assert sorted(full) == ['batch_stats', 'extras', 'opt_state', 'params']

@@ -36,6 +36,20 @@ computes exactly what it did before they existed:
   prepare_upload_bytes(state, new_server) -> bytes  (what `prepare` received from clients this
                                                       round, for algorithms whose uploads happen
                                                       there: FedSC's matrices; float32 scalar)
+  persist(client)                        -> stored  (stateless clients: the part of a client's
+                                                      state that persists between rounds, the only
+                                                      part kept in FedState.clients)
+  restore(stored, msg)                   -> client  (a participant's whole state before `begin`,
+                                                      the rest rebuilt from the broadcast)
+
+Stateless clients: without `persist`/`restore` a client's whole state is stored per client. An
+algorithm whose `begin` overwrites most of it (FedAvg: the global model is adopted and the optimizer
+reset) declares what survives a round; then `init` returns the stacked *stored* states, and the engine
+runs `begin(restore(stored, msg))` and stores `persist(trained)`. The contract is
+begin(restore(persist(c), msg), msg) == begin(c, msg) for every state c the algorithm produces, so a
+stateless algorithm computes what its stateful twin does while memory holds the server and the round's
+m participants only (plus what persists: e.g. nothing for supervised FedAvg, the Adam moments for
+representation sharing's FL, the local target for FedBYOL).
 
 Communication (core/comm.py) is measured from these pytrees: a participant sends its `upload`
 payload and receives its (personalised) broadcast, less the public set, which is sent once.
@@ -87,6 +101,18 @@ class Algorithm:
   cohorts: Tuple['Cohort', ...] = ()
   classifier_apply: Optional[Callable[..., Any]] = None
   prepare_upload_bytes: Optional[Callable[..., Any]] = None
+  persist: Optional[Callable[..., Any]] = None
+  restore: Optional[Callable[..., Any]] = None
+
+
+def restore_client(algo: Algorithm, stored: Any, msg: Any) -> Any:
+  """A participant's whole state before `begin` (the stored state itself without `restore`)."""
+  return stored if algo.restore is None else algo.restore(stored, msg)
+
+
+def persist_client(algo: Algorithm, client: Any) -> Any:
+  """What of a trained client is stored until its next round (all of it without `persist`)."""
+  return client if algo.persist is None else algo.persist(client)
 
 
 class LocalData(NamedTuple):
@@ -141,12 +167,18 @@ def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
   Returns:
     pytree with leaves [...]; integer leaves keep their dtype (rounded average). Floating leaves are
     accumulated in the wider of their dtype and the weights' (a float64 state stays float64).
+
+  The average is a contraction (`tensordot` of the weights with the leaf's leading axis), not a
+  sum over axis 0 of the weighted leaf: XLA:CPU reduces a leading axis ~50x slower than it runs the
+  same work as a GEMV (BUILD_NOTES, "Cross-device round": 197 ms vs 3.6 ms for 50 x 524k floats,
+  which made the aggregation of a 50-participant round cost as much as 40 local steps).
+  Precision HIGHEST keeps accelerators from rounding the operands to TF32/bf16.
   """
   def avg(leaf):
-    w = weights.reshape((-1,) + (1,) * (leaf.ndim - 1))
     acc = (jnp.promote_types(leaf.dtype, weights.dtype)
            if jnp.issubdtype(leaf.dtype, jnp.floating) else weights.dtype)
-    out = jnp.sum(w.astype(acc) * leaf.astype(acc), axis=0)
+    out = jnp.tensordot(weights.astype(acc), leaf.astype(acc), axes=(0, 0),
+                        precision=jax.lax.Precision.HIGHEST)
     return out.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.round(out).astype(leaf.dtype)
   return jax.tree_util.tree_map(avg, stacked)
 

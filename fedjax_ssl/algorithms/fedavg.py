@@ -11,6 +11,8 @@ the global online network in both modes.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -84,8 +86,59 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
   )
 
 
-def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: str = 'fedavg'
-         ) -> Algorithm:
+def _private(tree: dict, names) -> dict:
+  """The top-level entries of `tree` that are not the shared modules `names`."""
+  return {k: v for k, v in tree.items() if k not in names}
+
+
+def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) -> dict:
+  """What of a FedAvg client survives a round, i.e. what `begin` does not overwrite.
+
+  `begin` replaces the shared modules by the global ones, resets the optimizer (when
+  spec.reset_optimizer) and, for BYOL with target sync 'reset', the target. Left: modules the method
+  does not share (none for the built-in models), the optimizer state without a reset (e.g. the
+  persistent Adam of representation sharing's FL), and BYOL's local target with the flag that says
+  whether it was ever set ('keep'). Supervised FedAvg, FedSimCLR and FedSimSiam with the reset keep
+  {}: nothing is stored per client.
+  """
+  names = ssl_client.SHARED_MODULES[spec.method]
+  out = {}
+  for field in ('params', 'batch_stats'):
+    if _private(client[field], names):
+      out[field] = _private(client[field], names)
+  if not spec.reset_optimizer:
+    out['opt_state'] = client['opt_state']
+  if spec.method == 'byol' and byol_target_sync == 'keep':
+    out['target'] = client['target']
+    out['extras'] = {'participated': client['extras']['participated']}
+  return out
+
+
+def restore_client(spec: ssl_client.ClientSpec, stored: dict, msg) -> dict:
+  """A full FedAvg client from its persistent part and the broadcast global model.
+
+  The parts `begin` overwrites get placeholders of the right structure: the global model, a fresh
+  optimizer state, a target copied from the global online network, participated = 0.
+  """
+  params = dict(msg['params'], **stored.get('params', {}))
+  batch_stats = dict(msg['batch_stats'], **stored.get('batch_stats', {}))
+  client = {'params': params, 'batch_stats': batch_stats,
+            'opt_state': stored['opt_state'] if 'opt_state' in stored else spec.tx.init(params),
+            'extras': stored.get('extras', {'participated': jnp.zeros((), jnp.float32)})}
+  if spec.method == 'byol':
+    client['target'] = (stored['target'] if 'target' in stored
+                        else ssl_client.target_from_online(params, batch_stats))
+  return client
+
+
+def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: str = 'fedavg',
+         stateless: bool = True) -> Algorithm:
+  """FedAvg of `spec`'s online network.
+
+  stateless: store per client only what survives a round (`persistent_part`; memory = the server
+    plus the round's participants). False stores every client's whole state, as before stateless
+    clients existed; both compute the same numbers (tests/test_round_equivalence.py).
+  """
   if byol_target_sync not in BYOL_TARGET_SYNC:
     raise ValueError(f'byol_target_sync = {byol_target_sync!r} is invalid: must be one of '
                      f'{BYOL_TARGET_SYNC}')
@@ -98,6 +151,16 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
     client = sync_target(spec, client, first | (byol_target_sync == 'reset'))
     return mark_participated(client)
 
-  return global_model_algorithm(
+  algo = global_model_algorithm(
       spec, name=name, init=lambda key, num_clients: init_shared(spec, key, num_clients),
       begin=begin)
+  if not stateless:
+    return algo
+  persist = lambda client: persistent_part(spec, client, byol_target_sync)
+
+  def init(key, num_clients):
+    client = ssl_client.init_client(spec, key)
+    return replicate(persist(client), num_clients), shared_subset(spec, client)
+
+  return dataclasses.replace(algo, init=init, persist=persist,
+                             restore=lambda stored, msg: restore_client(spec, stored, msg))

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_ssl.algorithms.base import Algorithm, Cohort, CohortSlots, LocalData
+from fedjax_ssl.algorithms.base import (Algorithm, Cohort, CohortSlots, LocalData, persist_client,
+                                        restore_client)
 from fedjax_ssl.core import comm, local, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
@@ -70,19 +71,22 @@ def client_round_fn(algo: Algorithm, cfg: RoundConfig, client_algo: Algorithm | 
 
   `client_algo` (default `algo`) supplies the client-side functions: a cohort's own Algorithm in a
   multi-cohort run, where `algo` (the parent) supplies the server-side `personalize`.
-  Returns fn(client, x, y, n, ckey, cid, msg, lr) -> (client, payload, mean loss).
+  Returns fn(stored, x, y, n, ckey, cid, msg, lr) -> (stored, payload, mean loss), where `stored`
+  is the part of the client's state kept between rounds (the whole state unless the algorithm
+  declares `persist`/`restore`).
   """
   ca = client_algo or algo
 
-  def fn(client, x, y, n, ckey, cid, msg, lr):
+  def fn(stored, x, y, n, ckey, cid, msg, lr):
     if algo.personalize is not None:
       msg = algo.personalize(msg, cid)
-    start = ca.begin(client, msg, rng.begin_key(ckey))
+    start = ca.begin(restore_client(ca, stored, msg), msg, rng.begin_key(ckey))
     trained, loss = local.train_client(ca.local_step, start, x, y, n, ckey, msg, lr,
                                        batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
                                        drop_last=cfg.drop_last)
     trained = ca.end(start, trained, msg)
-    return trained, ca.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey))), loss
+    payload = ca.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
+    return persist_client(ca, trained), payload, loss
   return fn
 
 
@@ -318,9 +322,9 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   personalize = jax.jit(algo.personalize or (lambda msg, cid: msg))
 
   @functools.partial(jax.jit, static_argnames='n_max')
-  def begin(client, msg, ckey, n, n_max):
+  def begin(stored, msg, ckey, n, n_max):
     perms = local.epoch_permutations(ckey, n, n_max, epochs)
-    return algo.begin(client, msg, rng.begin_key(ckey)), perms
+    return algo.begin(restore_client(algo, stored, msg), msg, rng.begin_key(ckey)), perms
 
   @jax.jit
   def step(client, batch, ckey, s, msg, lr):
@@ -329,7 +333,8 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
   @jax.jit
   def end(start, trained, msg, x, y, n, ckey):
     trained = algo.end(start, trained, msg)
-    return trained, algo.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
+    payload = algo.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
+    return persist_client(algo, trained), payload
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, server, msg_all, lr = prepare(state, data, key)

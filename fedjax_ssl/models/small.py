@@ -2,6 +2,10 @@
 
   small_cnn:  conv3x3(16) -> ReLU -> maxpool2 -> conv3x3(32) -> ReLU -> maxpool2 -> flatten
               -> Dense(256) -> ReLU -> Dense(128)                                  features 128 (linear)
+  cross_device_cnn: the CNN of the cross-device simulation benchmark (CIFAR-10 shaped input):
+              conv3x3(32) -> ReLU -> maxpool2 -> conv3x3(64) -> ReLU -> maxpool2 -> flatten
+              -> Dense(128) -> ReLU                                                features 128;
+              with the classifier's Dense(10) 545,098 parameters
   hetero_cnn: FedHeNN CNNCifar100_1: conv5x5(64, VALID) -> ReLU -> maxpool2 -> conv5x5(128, VALID)
               -> ReLU -> maxpool2 -> flatten -> fc 256 -> ReLU -> fc 128 -> ReLU    features 128
   mlp:        flatten -> 512 -> ReLU -> 256 -> ReLU -> 128 -> ReLU                  features 128
@@ -31,6 +35,7 @@ class SmallCNN(nn.Module):
   conv_features: Sequence[int] = (16, 32)
   dense_features: Sequence[int] = (256, 128)
   conv_impl: str = 'auto'
+  relu_features: bool = False  # a ReLU after the last Dense too (cross_device_cnn)
 
   @property
   def feature_dim(self) -> int:
@@ -46,7 +51,7 @@ class SmallCNN(nn.Module):
     x = x.reshape(x.shape[0], -1)
     for i, f in enumerate(self.dense_features):
       x = layers.Dense(f, name=f'fc{i + 1}')(x)
-      if i < len(self.dense_features) - 1:
+      if i < len(self.dense_features) - 1 or self.relu_features:
         x = nn.relu(x)
     return x
 
