@@ -11,7 +11,7 @@ import pytest
 
 from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import fedavg, fedema, fedu, ssl_client
-from fedjax_ssl.algorithms.base import weighted_mean
+from fedjax_ssl.algorithms.base import restore_client, weighted_mean
 from fedjax_ssl.algorithms.divergence import conv_divergence
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
@@ -117,8 +117,9 @@ def test_plain_sgd_is_the_gradient_and_trains():
                mean=(0.5,), std=(0.25,))
   algo = experiment.build_algorithm(config, ds)
   clients, server = algo.init(jax.random.PRNGKey(0), 1)
-  client = algo.begin(jax.tree_util.tree_map(lambda a: a[0], clients), algo.broadcast(server),
-                      jax.random.PRNGKey(1))
+  msg = algo.broadcast(server)
+  client = algo.begin(restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], clients), msg),
+                      msg, jax.random.PRNGKey(1))
   batch = {'x': jnp.asarray(x), 'y': jnp.asarray(y)}
   new, loss = jax.jit(algo.local_step)(client, batch, jax.random.PRNGKey(2), algo.broadcast(server),
                                        jnp.float32(0.1))
