@@ -114,7 +114,7 @@ def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) 
   return out
 
 
-def restore_client(spec: ssl_client.ClientSpec, stored: dict, msg) -> dict:
+def rebuild_client(spec: ssl_client.ClientSpec, stored: dict, msg) -> dict:
   """A full FedAvg client from its persistent part and the broadcast global model.
 
   The parts `begin` overwrites get placeholders of the right structure: the global model, a fresh
@@ -163,4 +163,4 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
     return replicate(persist(client), num_clients), shared_subset(spec, client)
 
   return dataclasses.replace(algo, init=init, persist=persist,
-                             restore=lambda stored, msg: restore_client(spec, stored, msg))
+                             restore=lambda stored, msg: rebuild_client(spec, stored, msg))
