@@ -17,6 +17,20 @@ Two settings (--setting):
     client count per process to read it per count). Variant `map_whole_state` is the same round
     with every client's whole state stored (FedAvg's stateful twin, what the engine did before
     stateless clients), for the memory comparison; run it in a process of its own.
+  * `scale`: skewed federations. Fashion-MNIST (the full training split) over --clients (default
+    10,100,1000), IID and Dirichlet alpha = 0.1, 10 participants per round, FedEMA-BYOL (real
+    per-client state) on small_cnn, batch 32, one local epoch, strategy vmap. Variants: `vmap_before`
+    (vmap_shrink = 0: every participant runs the longest one's steps, the engine before phases),
+    `vmap` (the default phases) and `vmap_host` (client_state = 'host'). Reported per row: the data's
+    device MB against the real rows' and the padded layout's; per variant the median over --repeats
+    rounds (default 5) of seconds per round and of milliseconds per real local step (round time /
+    the participants' real steps), MB resident on the device between rounds (data + the state's
+    device arrays) and XLA's buffer estimate of the round's device program. Needs the Fashion-MNIST
+    IDX files (config.dataset = 'fashion_mnist'). Dirichlet alpha = 0.1 cannot give each of 1000
+    clients an example (no draw in 1000 succeeds): --alpha=0.5 there.
+
+  python -m experiments.benchmark --setting=scale --clients=100 --out scale100.json
+  python -m experiments.benchmark --setting=scale --clients=1000 --alpha=0.5 --out scale1000.json
 
 For every (model, augmentation, client count) the same FedBYOL round (E local steps of batch B per
 client, SGD with momentum) runs
@@ -62,15 +76,18 @@ from fedjax_ssl import experiment
 from fedjax_ssl.algorithms import fedavg
 from fedjax_ssl.algorithms.base import restore_client
 from fedjax_ssl.core import rng, strategies
-from fedjax_ssl.data import augment
+from fedjax_ssl.data import augment, partition
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset, FedData
 
-_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device'],
+_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale'],
                              'Which round to time (module docstring).')
 _PARTICIPANTS = flags.DEFINE_integer(
     'participants', 0, 'Clients sampled per round; 0 = every client (byol) or 50 (cross_device).')
 _OUT = flags.DEFINE_string('out', 'results.json', 'Where to write the JSON results.')
+_ALPHA = flags.DEFINE_float('alpha', 0.1, 'Dirichlet alpha of the skewed partition (--setting=scale; '
+                            'alpha = 0.1 cannot give every one of 1000 Fashion-MNIST clients an '
+                            'example, use 0.5 there).')
 _MODELS = flags.DEFINE_list('models', ['small_cnn', 'resnet18'], 'Encoders to benchmark.')
 _CLIENTS = flags.DEFINE_list('clients', ['10', '100'], 'Client counts (all participate).')
 _STEPS = flags.DEFINE_integer('local_steps', 5, 'Local steps per client per round.')
@@ -153,10 +170,12 @@ def _data(shape, num_clients: int, per_client: int):
   """Synthetic data: the timing does not depend on pixel values. One copy on the device, shared by
   the variants of a setting."""
   h, w, ch = shape
-  x = synthetic_images(jax.random.PRNGKey(0), (num_clients, per_client, h, w, ch))
-  y = jax.random.randint(jax.random.PRNGKey(1), (num_clients, per_client), 0, 10, jnp.int32)
-  fed = FedData(x=x, y=y, n=jnp.full((num_clients,), per_client, jnp.int32))
-  x0, y0 = np.asarray(x[0]), np.asarray(y[0])
+  rows = num_clients * per_client
+  x = synthetic_images(jax.random.PRNGKey(0), (rows, h, w, ch))
+  y = jax.random.randint(jax.random.PRNGKey(1), (rows,), 0, 10, jnp.int32)
+  fed = FedData(x=x, y=y, n=jnp.full((num_clients,), per_client, jnp.int32),
+                offsets=jnp.arange(num_clients, dtype=jnp.int32) * per_client, n_max=per_client)
+  x0, y0 = np.asarray(x[:per_client]), np.asarray(y[:per_client])
   ds = Dataset(name='bench', train_x=x0, train_y=y0, test_x=x0, test_y=y0, num_classes=10,
                mean=(0.5,) * ch, std=(0.25,) * ch)
   return fed, ds
@@ -208,7 +227,7 @@ def flops_per_client_step(model: str, augmentation: str) -> float:
   state = rd.init_state(algo, jax.random.PRNGKey(0), 1)
   msg = algo.broadcast(state.server)
   client = restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], state.clients), msg)
-  batch = {'x': fed.x[0], 'y': fed.y[0]}
+  batch = {'x': fed.x[:_BATCH.value], 'y': fed.y[:_BATCH.value]}
   cost = jax.jit(algo.local_step).lower(client, batch, jax.random.PRNGKey(0), msg,
                                         jnp.float32(0.05)).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -368,10 +387,122 @@ def run() -> List[Dict]:
   return [info] + rows
 
 
+# The scale setting: Fashion-MNIST partitioned over C clients, IID or Dirichlet alpha = 0.1, m = 10
+# participants, FedEMA-BYOL (real per-client state) on the small CNN, batch 32, one local epoch.
+SCALE_VARIANTS = {  # name: (vmap_shrink, client_state)
+    'vmap_before': (0.0, 'device'),   # every participant runs the longest one's step count
+    'vmap': (2.0, 'device'),
+    'vmap_host': (2.0, 'host'),
+}
+SCALE_DEFAULTS = dict(clients=['10', '100', '1000'], variants=list(SCALE_VARIANTS), repeats=5)
+
+
+def _scale_config(num_clients: int, shrink: float, client_state: str):
+  c = experiment.default_config()
+  c.algorithm, c.ssl_method, c.encoder, c.heads = 'fedema', 'byol', 'small_cnn', 'custom'
+  c.dataset, c.num_clients, c.clients_per_round = 'fashion_mnist', num_clients, 10
+  c.batch_size, c.local_epochs, c.strategy = 32, 1, 'vmap'
+  c.vmap_shrink, c.client_state = shrink, client_state
+  return c
+
+
+def _device_program_mb(step, state, fed, key, m: int) -> float:
+  """XLA's buffer estimate (arguments + outputs + temporaries - aliased) of the round's device
+  program: the whole jitted round ('device'), or the participants' part ('host')."""
+  program = getattr(step, 'device_program', None)
+  if program is None:
+    compiled = step.lower(state, fed, key).compile()
+  else:
+    sel = (jax.tree_util.tree_map(lambda a: jnp.asarray(a[:m]), state.clients),)
+    compiled = program.lower(state.replace(clients=None), sel, fed, key).compile()
+  ma = compiled.memory_analysis()
+  return (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes -
+          ma.alias_size_in_bytes) / 2**20
+
+
+def _device_tree_mb(tree) -> float:
+  """MB of the device arrays of `tree` (numpy leaves, the host placement's clients, excluded)."""
+  return sum(a.nbytes for a in jax.tree_util.tree_leaves(tree) if isinstance(a, jax.Array)) / 2**20
+
+
+def run_scale() -> List[Dict]:
+  """Per C and partition: the data's device bytes (flat layout vs the padded one it replaced), and
+  per variant the median over rounds of seconds per round and per real local step (round time /
+  the participants' real steps), resident device MB between rounds, the device program's MB."""
+  dataset = experiment.load_data(_scale_config(10, 2.0, 'device'))
+  info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
+          'setting': 'scale', 'jax': jax.__version__, 'repeats': _REPEATS.value,
+          'alpha': _ALPHA.value,
+          'cpu_affinity': sorted(os.sched_getaffinity(0))}
+  print(json.dumps(info))
+  rows = []
+  for num_clients in [int(c) for c in _CLIENTS.value]:
+    for scheme, kw in (('iid', {}), ('dirichlet', {'alpha': _ALPHA.value})):
+      fed, _ = partition.build_fed_data(dataset, num_clients, scheme, seed=0, **kw)
+      n = np.asarray(fed.n)
+      row_bytes = int(np.prod(fed.x.shape[1:])) + 4  # image + label
+      label = scheme + (f'(alpha={kw["alpha"]})' if kw else '')
+      row = {'clients': num_clients, 'participants': 10, 'partition': label,
+             'real_rows': int(n.sum()), 'n_max': int(n.max()),
+             'data_device_mb': _tree_mb((fed.x, fed.y, fed.n, fed.offsets)),
+             'padded_data_mb': num_clients * int(n.max()) * row_bytes / 2**20,
+             'real_data_mb': int(n.sum()) * row_bytes / 2**20, 'results': {}}
+      prepared = {}
+      for variant in _VARIANTS.value:
+        shrink, placement = SCALE_VARIANTS[variant]
+        config = _scale_config(num_clients, shrink, placement)
+        algo = experiment.build_algorithm(config, dataset)
+        step = rd.make_round_step(algo, experiment.round_config(config), num_clients)
+        state = rd.init_state(algo, jax.random.PRNGKey(0), num_clients, client_state=placement)
+        root = jax.random.PRNGKey(1)
+        program_mb = _device_program_mb(step, state, fed, rng.round_key(root, 99), 10)
+        prepared[variant] = dict(step=step, state=state, root=root, times=[], per_step=[],
+                                 program_mb=program_mb)
+        state, _ = step(state, fed, rng.round_key(root, 0))  # compile and warm up
+        jax.block_until_ready(state.server)
+        prepared[variant]['state'] = state
+        # Resident on the device between rounds: the data and the state's device arrays.
+        prepared[variant]['resident_mb'] = _device_tree_mb((fed, state))
+        del state
+      for r in range(1, _REPEATS.value + 1):  # interleaved: drift hits every variant alike
+        key = rng.round_key(jax.random.PRNGKey(1), r)
+        ids = np.asarray(rd.sample_participants(key, num_clients, 10))
+        real_steps = int(np.maximum(n[ids] // 32, 1).sum())
+        for p in prepared.values():
+          t0 = time.perf_counter()
+          p['state'], metrics = p['step'](p['state'], fed, key)
+          jax.block_until_ready((p['state'].server, metrics))
+          p['times'].append(time.perf_counter() - t0)
+          p['per_step'].append(p['times'][-1] / real_steps)
+      for variant, p in prepared.items():
+        row['results'][variant] = {
+            'seconds_per_round': statistics.median(p['times']),
+            'ms_per_real_step': 1e3 * statistics.median(p['per_step']),
+            'resident_device_mb': p['resident_mb'], 'device_program_mb': p['program_mb'],
+            'client_state_mb': _tree_mb(p['state'].clients)}
+        print(f'C={num_clients:5d} {label:20s} {variant:12s} {json.dumps(row["results"][variant])}',
+              flush=True)
+      prepared.clear()
+      gc.collect()
+      print(f'C={num_clients:5d} {label:20s} data {row["data_device_mb"]:.1f} MB on device for '
+            f'{row["real_data_mb"]:.1f} MB of real rows (padded layout: {row["padded_data_mb"]:.1f}'
+            ' MB)', flush=True)
+      rows.append(row)
+  for c in sorted({r['clients'] for r in rows}):
+    iid = next(r for r in rows if r['clients'] == c and r['partition'] == 'iid')
+    skew = next(r for r in rows if r['clients'] == c and r['partition'] != 'iid')
+    ratio = lambda v: (skew['results'][v]['ms_per_real_step'] /
+                       iid['results'][v]['ms_per_real_step'])
+    print(f'==> C={c}: per real step, {skew["partition"]} / IID: ' + ', '.join(
+        f'{v}: {ratio(v):.2f}x' for v in _VARIANTS.value), flush=True)
+  return [info] + rows
+
+
 def check_flags() -> None:
   """Raises cv.ConfigError naming the flag, its value and what is allowed (before any compute)."""
+  variants = list(SCALE_VARIANTS if _SETTING.value == 'scale' else _VARIANT_STRATEGY)
   for name, values, allowed in (('models', _MODELS.value, list(_SETTINGS)),
-                                ('variants', _VARIANTS.value, list(_VARIANT_STRATEGY))):
+                                ('variants', _VARIANTS.value, variants)):
     for value in values:
       if value not in allowed:
         raise cv.ConfigError(f'--{name} = {",".join(values)!r} is invalid: {value!r} is not one of '
@@ -395,10 +526,11 @@ def check_flags() -> None:
 
 
 def apply_setting_defaults() -> None:
-  """The cross-device setting's flag defaults, for every flag not given on the command line."""
-  if _SETTING.value != 'cross_device':
-    return
-  for name, value in CROSS_DEVICE_DEFAULTS.items():
+  """The cross-device and scale settings' flag defaults, for every flag not given on the command
+  line."""
+  defaults = {'cross_device': CROSS_DEVICE_DEFAULTS,
+              'scale': SCALE_DEFAULTS}.get(_SETTING.value, {})
+  for name, value in defaults.items():
     if not flags.FLAGS[name].present:
       flags.FLAGS[name].value = value
 
@@ -407,7 +539,7 @@ def main(argv):
   del argv
   apply_setting_defaults()
   check_flags()
-  rows = run()
+  rows = run_scale() if _SETTING.value == 'scale' else run()
   with open(_OUT.value, 'w') as f:
     json.dump({'info': rows[0], 'rows': rows[1:]}, f, indent=2)
   print(f'wrote {_OUT.value}')

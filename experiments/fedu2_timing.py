@@ -109,9 +109,8 @@ def time_round(num_clients: int) -> dict:
   out = {'K': num_clients, 'images_per_client': n, 'local_steps': n // 128}
   ds = _dataset(16)
   rs = np.random.RandomState(0)
-  data = FedData(x=jnp.asarray(rs.randint(0, 256, (num_clients, n, 32, 32, 3)).astype(np.uint8)),
-                 y=jnp.zeros((num_clients, n), jnp.int32),
-                 n=jnp.full((num_clients,), n, jnp.int32))
+  data = FedData.from_padded(rs.randint(0, 256, (num_clients, n, 32, 32, 3)).astype(np.uint8),
+                             np.zeros((num_clients, n), np.int32), np.full((num_clients,), n))
   for label, fur, algorithm in (('fedu2_round_s', 'uot', 'fedu2'),
                                 ('fedu2_no_fur_round_s', 'none', 'fedu2'),
                                 ('fedavg_round_s', 'none', 'fedavg')):

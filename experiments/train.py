@@ -14,6 +14,19 @@ uninterrupted run reaches: every random draw of round r derives from fold_in(roo
 log is truncated to the restored round. At the end: linear probe and kNN of the trained encoder next
 to those of the random-init encoder (WORKDIR/results.json) and a plot of loss and accuracy against
 rounds (WORKDIR/metrics.png).
+
+Several processes (JAX's multi-controller runtime, `jax.distributed`; on CPU its gloo collectives):
+start the same command once per process with --num_processes=N --process_id=i and one
+--coordinator_address=HOST:PORT (process 0's host). The config must use strategy 'shard': the
+round's participants are spread over every process's devices. Every process builds the same data
+and state and evaluates its own copy (so that all reach the next round's collectives together);
+process 0 alone prints, logs metrics and writes results and plots (the others log to
+WORKDIR/train.process<i>.log). Checkpoints go through orbax's multi-host protocol (every process
+takes part, as orbax requires), so a re-run resumes as above.
+
+  python -m experiments.train --config configs/quickstart.py --workdir /tmp/q \
+      --config.strategy=shard --coordinator_address=127.0.0.1:8476 --num_processes=2 --process_id=0
+  (and the same with --process_id=1, at the same time)
 """
 from __future__ import annotations
 
@@ -36,6 +49,10 @@ from fedjax_ssl.data import partition
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and results.')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None,
+                                   'HOST:PORT of process 0, for a run over several processes.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 1, 'Processes of the run (jax.distributed).')
+_PROCESS_ID = flags.DEFINE_integer('process_id', 0, 'This process, in [0, num_processes).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 LOG_FILE = 'train.log'
@@ -82,13 +99,20 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True,
   """
   with logging_utils.RunLog() as log:
     experiment.validate_config(config)
+    if strategies.multi_process() and strategies.resolve_strategy(config.strategy) != 'shard':
+      raise cv.ConfigError(f'config.strategy = {config.strategy!r} is invalid with '
+                           f"{jax.process_count()} processes: must be 'shard' (the participants "
+                           "are spread over every process's devices)")
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    log.open(workdir / LOG_FILE)
-    return _run(config, workdir, verbose=verbose, bar_position=bar_position)
+    primary = jax.process_index() == 0
+    log.open(workdir / (LOG_FILE if primary else f'train.process{jax.process_index()}.log'))
+    return _run(config, workdir, verbose=verbose and primary, bar_position=bar_position,
+                primary=primary)
 
 
-def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> dict:
+def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, primary: bool
+         ) -> dict:
   def say(message):  # a line for a person: train.log always, the console when verbose
     logging_utils.say(message, echo=verbose)
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
@@ -118,42 +142,52 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
       f'{strategies.resolve_strategy(config.strategy)!r}')
 
   init_key, run_key = experiment.run_keys(config)
-  state = rd.init_state(algo, init_key, config.num_clients)
+  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+  # Several processes: every process built the same data and state; make them global arrays.
+  fed_data = strategies.replicate(fed_data)
+  state = state.replace(server=strategies.replicate(state.server),
+                        round=strategies.replicate(state.round),
+                        clients=(state.clients if config.client_state == 'host' else
+                                 strategies.replicate(state.clients)))
   per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
   say('communication per participant and round: ' + ', '.join(
       f'{c.name}: up {b.up:,} B, down {b.down:,} B'
       for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
 
   random_init_path = workdir / 'random_init.json'
+  # Every process evaluates (on its own copy: no collective), so that all of them reach the next
+  # round's collectives together; process 0 alone writes.
   if random_init_path.exists():
     random_init = json.loads(random_init_path.read_text())
     took = f'(from {random_init_path.name})'
   else:
     t0 = time.time()
-    random_init = experiment.evaluate(config, algo, state, dataset)
-    _write_json(random_init_path, random_init)
+    random_init = experiment.evaluate(config, algo, _local(state), dataset)
+    if primary:
+      _write_json(random_init_path, random_init)
     took = f'({time.time() - t0:.1f}s)'
   width = len(str(config.rounds))
   say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
       f'{_metrics_text(_scalars(random_init))}  {took}')
 
   ckpt = checkpoint.Checkpointer(workdir / 'checkpoints', save_every=config.checkpoint_every)
-  writer = logging_utils.MetricsWriter(str(workdir))
+  writer = logging_utils.MetricsWriter(str(workdir)) if primary else None
   start = 0
   if ckpt.latest_round() is not None:
     start, state, _ = ckpt.restore(state)
     say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
-  if start == 0:
+  if primary and start == 0:
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
     _write_json(workdir / 'config.json', config.to_dict())
-  else:
+  elif primary:
     writer.truncate_after(start)
 
   final = None
   bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
-                               position=bar_position, leave=bar_position == 0)
+                               position=bar_position, leave=bar_position == 0,
+                               disable=None if primary else True)
   t_start = time.time()
   for r in range(start, config.rounds):
     state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
@@ -162,15 +196,17 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
       record.update(algo.host_metrics(state))
     evaluated = True
     if r + 1 == config.rounds:
-      final = experiment.evaluate(config, algo, state, dataset)
+      final = experiment.evaluate(config, algo, _local(state), dataset)
       record.update(_scalars(final))
     elif config.eval_every and (r + 1) % config.eval_every == 0:
-      record.update(_scalars(experiment.evaluate(config, algo, state, dataset, probe=False)))
+      record.update(_scalars(experiment.evaluate(config, algo, _local(state), dataset,
+                                                 probe=False)))
     else:
       evaluated = False
     # One record per round, written before that round's checkpoint: a resumed run truncates the
     # log to its checkpoint and so never duplicates or loses a round.
-    writer.write(r + 1, record)
+    if primary:
+      writer.write(r + 1, record)
     if evaluated:
       say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
           f'({time.time() - t_start:.0f}s elapsed)')
@@ -181,13 +217,15 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int) -> 
     ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
                     force=r + 1 == config.rounds)
   bar.close()
+  ckpt.close()
+  if not primary:
+    return {}
 
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
     final = experiment.evaluate(config, algo, state, dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(state))
   writer.close()
-  ckpt.close()
   results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
   if algo.cohorts:  # the architecture of every client, as this run assigned it
@@ -237,10 +275,32 @@ def _communication(algo, config, per_participant, records) -> dict:
   }
 
 
+def _local(state):
+  """The state as arrays of this process's first device (the state itself with one process):
+  evaluation then runs in each process alone, with no collective."""
+  if not strategies.multi_process():
+    return state
+  return jax.device_put(jax.device_get(state), jax.local_devices()[0])
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  n, pid = _NUM_PROCESSES.value, _PROCESS_ID.value
+  if n < 1 or not 0 <= pid < n:
+    raise cv.ConfigError(f'--num_processes={n} --process_id={pid} is invalid: need '
+                         'num_processes >= 1 and 0 <= process_id < num_processes')
+  if n > 1:
+    if not _COORDINATOR.value:
+      raise cv.ConfigError(f'--num_processes={n} needs --coordinator_address=HOST:PORT '
+                           '(process 0\'s host and a free port)')
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=n,
+                               process_id=pid)
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  finally:
+    if n > 1:
+      jax.distributed.shutdown()
 
 
 if __name__ == '__main__':

@@ -101,6 +101,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.reset_optimizer = True        # fresh optimiser state every round
   c.strategy = 'auto'             # auto | vmap | map | shard
   c.map_chunk_size = 1
+  # Under vmap, regroup the participants still training into a batch this many times narrower
+  # whenever that few are left, so a skewed round costs its real steps (0 = run every participant
+  # as long as the longest one).
+  c.vmap_shrink = 2.0
+  c.client_state = 'device'       # device | host (stacked client state in host memory)
   # Evaluation and bookkeeping.
   c.eval_every = 0                # kNN monitor every k rounds (0 = off)
   c.knn_k = 200                   # 0 = no kNN monitor (supervised runs report test_acc)
@@ -552,6 +557,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if config.heads == 'custom':
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
+  cv.check_choice('client_state', config.client_state, rd.CLIENT_STATES)
+  if config.vmap_shrink != 0:
+    cv.check_float_range('vmap_shrink', config.vmap_shrink, 1.0, None, inclusive=(False, True))
+  reads_clients = {'fd': True, 'repshare': config.repshare.init_prototypes == 'model',
+                   'hetero_ssfl': config.hetero_ssfl.mu > 0}
+  if config.client_state == 'host' and reads_clients.get(config.algorithm, False):
+    raise cv.ConfigError(f"config.client_state = 'host' is invalid for algorithm "
+                         f"{config.algorithm!r} in this setting: its pre-round step reads every "
+                         "client's model on the device (round 0's prototypes / representations); "
+                         "use 'device'")
   try:
     strategies.check_participants(strategies.resolve_strategy(config.strategy),
                                   config.clients_per_round, config.map_chunk_size)
@@ -873,7 +888,8 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       batch_size=config.batch_size,
       lr_fn=lambda r: optim.round_lr(base_lr, schedule, r, rounds),
       strategy=config.strategy, map_chunk_size=config.map_chunk_size,
-      drop_last=bool(config.drop_last))
+      drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
+      client_state=config.client_state)
 
 
 def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: np.ndarray,

@@ -103,7 +103,7 @@ def train_participant(algo, local_step, client, data, key, cid, msg, lr, *, batc
   perturb: None or a per-participant bug of PERTURBATIONS ('batch', 'key', 'mask', 'client'; the
   latter trains on client `other`'s data).
   """
-  x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
+  (x, y), n_all = data.padded(), np.asarray(data.n)
   n_max = x.shape[1]
   ckey = rng.client_key(key, cid)
   n = int(n_all[cid])
@@ -295,7 +295,7 @@ def numpy_fedsc_hooks(spec, *, num_rounds, sigma, views, chunk, mu, share_start=
     dtype = np.asarray(server['cov']).dtype
     cov = np.array(server['cov'], np.float64)
     shares = np.array(server['shares'])
-    x, n = np.asarray(data.x), np.asarray(data.n)
+    x, n = data.padded()[0], np.asarray(data.n)
     if t > share_start and t % share_every == 0:
       for c in (range(len(n)) if shares.sum() == 0 else ids):
         ckey = jax.random.fold_in(rng.client_key(key, c), fedsc.CALR_STREAM)

@@ -41,7 +41,7 @@ def _data(sizes=SIZES):
   for c, n in enumerate(sizes):
     x[c, :n] = rs.randint(0, 256, (n, 8, 8, 1))
   y = np.zeros(x.shape[:2], np.int32)
-  return FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32))
+  return FedData.from_padded(x, y, sizes)
 
 
 def test_calr_matrix_equals_the_loop_and_not_the_chunking():
@@ -58,10 +58,10 @@ def test_calr_matrix_equals_the_loop_and_not_the_chunking():
     apply_fn = jax.jit(lambda v, img: spec.model.apply(v, img, train=False,
                                                         with_predictor=False)['z'])
     augment_fn = jax.jit(lambda k, im: augment.augment(k, im, spec.aug))
-    want = reference.numpy_calr(spec, apply_fn, augment_fn, variables, np.asarray(data.x[0]),
+    want = reference.numpy_calr(spec, apply_fn, augment_fn, variables, data.padded()[0][0],
                                 SIZES[0], key, views=2, chunk=5, mu=2.0)
     for chunk in (4, 16):  # 3 chunks with padding / one chunk: the same matrix
-      got = np.asarray(fn(data.x[0], data.n[0], chunk))
+      got = np.asarray(fn(data.client(0)[0], data.n[0], chunk))
       np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
     # PSD with ||R||_F <= mu (T9's bound, clip active).
     assert np.linalg.eigvalsh(got).min() > -1e-12 and np.linalg.norm(got) <= 2.0

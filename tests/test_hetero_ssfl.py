@@ -48,8 +48,7 @@ VARIANTS = {
 def _hetero_data():
   data = _data()
   rs = np.random.RandomState(1)
-  return FedData(x=data.x, y=data.y, n=data.n,
-                 public_x=jnp.asarray(rs.randint(0, 256, (RAD, 8, 8, 1)).astype(np.uint8)))
+  return data.replace(public_x=jnp.asarray(rs.randint(0, 256, (RAD, 8, 8, 1)).astype(np.uint8)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +98,7 @@ def test_alignment_term_reaches_the_gradient_and_mu_zero_is_plain_byol():
   client = jax.tree_util.tree_map(lambda a: a[0], algo.cohorts[0].client.init(
       jax.random.PRNGKey(3), 3)[0])
   data = _hetero_data()
-  batch = {'x': data.x[0, :BATCH], 'y': data.y[0, :BATCH]}
+  batch = {'x': data.x[:BATCH], 'y': data.y[:BATCH]}
   kbar = jnp.asarray(np.random.RandomState(2).randn(RAD, 4), jnp.float32)
   msg = {'kbar': kbar @ kbar.T, 'public_x': data.public_x}
   key = jax.random.PRNGKey(5)

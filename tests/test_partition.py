@@ -244,10 +244,19 @@ def tiny_dataset():
 def test_build_fed_data(tiny_dataset, scheme, kw):
   ds = tiny_dataset
   fed, info = P.build_fed_data(ds, 5, scheme, seed=3, public_size=40, **kw)
-  x, y, n = np.asarray(fed.x), np.asarray(fed.y), np.asarray(fed.n)
+  n = np.asarray(fed.n)
+  # The device arrays hold exactly the real rows, client after client.
+  assert fed.x.shape == (n.sum(), 6, 5, 2) and fed.y.shape == (n.sum(),)
+  np.testing.assert_array_equal(np.asarray(fed.offsets), np.cumsum(n) - n)
+  x, y = fed.padded()
   assert x.dtype == np.uint8 and y.dtype == np.int32 and n.dtype == np.int32
   assert x.shape == (5, n.max(), 6, 5, 2) and y.shape == (5, n.max())
   assert fed.num_clients == 5 and fed.n_max == n.max()
+  for c in range(5):  # the traced padded view equals the host one
+    cx, cy, cn = fed.client(c)
+    np.testing.assert_array_equal(np.asarray(cx), x[c])
+    np.testing.assert_array_equal(np.asarray(cy), y[c])
+    assert int(cn) == n[c]
   # Sizes add up and no example is used twice (public set included).
   assert n.sum() == 400 - 40
   _check_disjoint_cover(info['indices'] + [info['public_idx']], np.arange(400))

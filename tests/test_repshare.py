@@ -112,7 +112,7 @@ def relay_reference_round(name, clients, server, data, key, round_idx, *, m, cfg
   """
   algo, local_step = _algo(name)
   kind = 'logits' if name == 'fd' else 'features'
-  x, y, n_all = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
+  (x, y), n_all = data.padded(), np.asarray(data.n)
   server = {k: np.array(v) for k, v in server.items()}
   ids = [int(i) for i in np.asarray(rd.sample_participants(key, NUM_CLIENTS, m))]
   if round_idx == 0:  # prototypes of the untrained models (A8)
@@ -122,7 +122,7 @@ def relay_reference_round(name, clients, server, data, key, round_idx, *, m, cfg
       server['means'][cid], server['counts'][cid] = _np_class_means(
           _np_features(client, x[cid], kind), y[cid], n_all[cid])
       if name != 'fd':
-        local = LocalData(data.x[cid], data.y[cid], data.n[cid], jax.random.fold_in(init_key, cid))
+        local = LocalData(*data.client(cid), jax.random.fold_in(init_key, cid))
         server['navg'][cid] = np.asarray(algo.upload(client, None, local)['navg'])
   if name != 'fd':
     server['partners'] = np.asarray(prototypes.relay_partners(
@@ -219,7 +219,7 @@ def test_local_loss_is_the_papers_objective(reduction):
                          lambda_kd=3.0, lambda_disc=0.7)
     client = _float64(ssl_client.init_client(spec, jax.random.PRNGKey(0)))
     data = _data()
-    batch = {'x': data.x[0, :6], 'y': data.y[0, :6]}
+    batch = {'x': data.x[:6], 'y': data.y[:6]}
     rs = np.random.RandomState(2)
     msg = {'global': rs.uniform(-1, 1, (NUM_CLASSES, FEATURES)),
            'teacher': rs.uniform(-1, 1, (NUM_CLASSES, FEATURES))}
@@ -306,9 +306,9 @@ def test_paper_ratio_to_fedavg(encoder, image, params, bn_channels, ratio):
         tx=optim.make_optimizer('adam'), aug=augment.preset('none', None), mean=(0.5,) * image[2],
         std=(0.3,) * image[2], input_shape=image, reset_optimizer=False)
   spec = spec_of()
-  data = jax.ShapeDtypeStruct((2, 20) + image, jnp.uint8)
-  fed = FedData(x=data, y=jax.ShapeDtypeStruct((2, 20), jnp.int32),
-                   n=jax.ShapeDtypeStruct((2,), jnp.int32))
+  fed = FedData(x=jax.ShapeDtypeStruct((40,) + image, jnp.uint8),
+                y=jax.ShapeDtypeStruct((40,), jnp.int32), n=jax.ShapeDtypeStruct((2,), jnp.int32),
+                offsets=jax.ShapeDtypeStruct((2,), jnp.int32), n_max=20)
   cfg = rd.RoundConfig(clients_per_round=2, local_epochs=1, batch_size=16,
                        lr_fn=lambda r: jnp.float32(1e-3))
   out = {}

@@ -42,7 +42,7 @@ def _data(num_clients=NUM_CLIENTS, sizes=SIZES):
   for c, n in enumerate(sizes):
     x[c, :n] = rs.randint(0, 256, (n, 8, 8, 1))
     y[c, :n] = rs.randint(0, 3, n)
-  return FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32))
+  return FedData.from_padded(x, y, sizes)
 
 
 def _fur(kind):
@@ -135,10 +135,15 @@ REFERENCE_HOOKS = {
 }
 
 
-def _round_cfg(strategy, m, chunk=2, drop_last=True):
+# The sweep over algorithms runs vmap without phases (vmap_shrink = 0): the phases live in
+# core/local.py's batching rule and treat the step as opaque, and each phase width compiles one more
+# copy of the step (~7 s per test on 2 cores). The default phases (2.0) and another width set (1.5)
+# run in test_vmap_phase_widths_change_no_number, the host tests and tests/test_scale.py.
+def _round_cfg(strategy, m, chunk=2, drop_last=True, client_state='device', vmap_shrink=0.0):
   return rd.RoundConfig(clients_per_round=m, local_epochs=EPOCHS, batch_size=BATCH,
                         lr_fn=lambda r: optim.round_lr(0.02, 'cosine', r, 10), strategy=strategy,
-                        map_chunk_size=chunk, drop_last=drop_last)
+                        map_chunk_size=chunk, drop_last=drop_last, client_state=client_state,
+                        vmap_shrink=vmap_shrink)
 
 
 # Stateless algorithms (persist/restore: only what survives a round is stored per client). The
@@ -232,7 +237,7 @@ def _initial_states(name):
   return state, twin.clients
 
 
-def _check_rounds(name, strategy, m, baseline=None, rounds=2):
+def _check_rounds(name, strategy, m, baseline=None, rounds=2, **cfg_kw):
   """Runs `rounds` engine rounds in float64; before each, the reference loop starts from the same
   state.
 
@@ -243,9 +248,11 @@ def _check_rounds(name, strategy, m, baseline=None, rounds=2):
   with jax.enable_x64(True):
     algo, _ = _algo(name)
     data = _data()
-    cfg = _round_cfg(strategy, m, drop_last=name not in RAGGED)
+    cfg = _round_cfg(strategy, m, drop_last=name not in RAGGED, **cfg_kw)
     step = _make_step(algo, cfg, baseline)
     state, full = _initial_states(name)
+    if cfg.client_state == 'host':
+      state = state.replace(clients=jax.tree_util.tree_map(np.array, state.clients))
     for r in range(rounds):
       key = rng.round_key(jax.random.PRNGKey(7), r)
       ref_clients, ref_server, ref_loss = _reference(
@@ -284,6 +291,19 @@ MAP = ('fedema', 'independent', 'fedsc_dp')
 @pytest.mark.parametrize('name,strategy', [(n, 'map') for n in MAP] + [(n, 'shard') for n in SHARD])
 def test_other_strategies_match_reference_loop(name, strategy):
   _check_rounds(name, strategy, 4)
+
+
+def test_host_client_state_and_default_phases_match_reference_loop():
+  """Client state in host memory (the participants' stored states travel to the device and back;
+  the rest is the device round's traced function) under the default vmap phases (widths 4, 2, 1).
+  FedSC-DP keeps real per-client state and adds a pre-round upload hook and a personalised,
+  per-lane message."""
+  _check_rounds('fedsc_dp', 'vmap', 4, client_state='host', vmap_shrink=2.0)
+
+
+def test_vmap_phase_widths_change_no_number():
+  """Phases of widths 4, 3, 2, 1: each participant's result is its own loop's."""
+  _check_rounds('fedsimclr', 'vmap', 4, vmap_shrink=1.5)
 
 
 def test_comparison_detects_a_wrong_batch_key_mask_weight_or_client():
@@ -352,6 +372,10 @@ def test_bad_round_settings_raise_before_compile():
     rd.make_round_step(algo, _round_cfg('shard', 3), NUM_CLIENTS)
   with pytest.raises(ValueError, match="strategy = 'pmap'"):
     rd.make_round_step(algo, _round_cfg('pmap', 2), NUM_CLIENTS)
+  with pytest.raises(ValueError, match="client_state = 'disk'"):
+    rd.make_round_step(algo, _round_cfg('vmap', 2, client_state='disk'), NUM_CLIENTS)
+  with pytest.raises(ValueError, match='vmap_shrink = 1.0'):
+    rd.make_round_step(algo, _round_cfg('vmap', 2, vmap_shrink=1.0), NUM_CLIENTS)
 
 
 def test_stateless_clients_store_only_what_persists():

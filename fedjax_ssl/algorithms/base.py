@@ -41,6 +41,9 @@ computes exactly what it did before they existed:
                                                       part kept in FedState.clients)
   restore(stored, msg)                   -> client  (a participant's whole state before `begin`,
                                                       the rest rebuilt from the broadcast)
+  prepare_reads_clients: bool                       (`prepare` reads FedState.clients, e.g. the
+                                                      initial models of every client at round 0;
+                                                      such an algorithm needs client_state='device')
 
 Stateless clients: without `persist`/`restore` a client's whole state is stored per client. An
 algorithm whose `begin` overwrites most of it (FedAvg: the global model is adopted and the optimizer
@@ -103,6 +106,7 @@ class Algorithm:
   prepare_upload_bytes: Optional[Callable[..., Any]] = None
   persist: Optional[Callable[..., Any]] = None
   restore: Optional[Callable[..., Any]] = None
+  prepare_reads_clients: bool = False
 
 
 def restore_client(algo: Algorithm, stored: Any, msg: Any) -> Any:

@@ -103,5 +103,5 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
-      personalized=True, prepare=prepare, personalize=personalize,
+      personalized=True, prepare=prepare, personalize=personalize, prepare_reads_clients=True,
       prepare_upload_bytes=prepare_upload_bytes)

@@ -150,7 +150,8 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
 
   def upload_matrix(server, data, cid, key):
     ckey = jax.random.fold_in(rng.client_key(key, cid), CALR_STREAM)
-    r = calr_matrix(spec, server['model'], data.x[cid], data.n[cid],
+    x, _, n = data.client(cid)
+    r = calr_matrix(spec, server['model'], x, n,
                     jax.random.fold_in(ckey, VIEW_STREAM), views=calr_views, chunk=calr_batch,
                     sqrt_mu=sqrt_mu)
     if sigma > 0:

@@ -244,7 +244,8 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
       begin=None, local_step=None, end=None, upload=None,
       aggregate=aggregate if align else (lambda server, payloads, weights_, slots: server),
       eval_variables=eval_variables, encoder_apply=None, personalized=True,
-      prepare=prepare if align else None, uses_public=align, cohorts=cohorts)
+      prepare=prepare if align else None, uses_public=align, cohorts=cohorts,
+      prepare_reads_clients=align)
 
 
 def _pred_width(spec: ssl_client.ClientSpec) -> int:

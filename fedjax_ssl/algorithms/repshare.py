@@ -123,8 +123,7 @@ def initial_summaries(summarize, clients, data, key: jax.Array) -> Dict[str, jax
 
   def one(cid):
     client = jax.tree_util.tree_map(lambda a: a[cid], clients)
-    return summarize(client, LocalData(data.x[cid], data.y[cid], data.n[cid],
-                                       jax.random.fold_in(key, cid)))
+    return summarize(client, LocalData(*data.client(cid), jax.random.fold_in(key, cid)))
   return jax.lax.map(one, jnp.arange(num))
 
 
@@ -249,4 +248,5 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
       personalized=True, prepare=prepare, personalize=personalize,
+      prepare_reads_clients=init_prototypes == 'model',
       prepare_upload_bytes=prepare_upload_bytes)

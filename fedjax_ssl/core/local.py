@@ -8,11 +8,17 @@ False on the filler rows) so the loss can use the real batch size. E local epoch
 over that client's own data. Batches are read through a fresh permutation of the client's valid rows
 every epoch; padding rows are never read.
 
-The loop runs the client's own step count. Clients run one at a time (strategy 'map' with chunk 1)
-therefore cost their real steps only. Under `vmap` JAX turns the loop into one that runs until the
-longest participant is done, and a finished client keeps its state bit-for-bit (a select on the
-carry). The step is not wrapped in a `lax.cond` inside a `scan`: XLA does not merge identical work
-inside such a branch (BUILD_NOTES, "Scan vs top-level step").
+The loop runs the client's own step count, so clients run one at a time (strategy 'map' with chunk 1)
+cost their real steps only. Under `vmap` a plain batched while-loop would run every participant
+until the longest one is done (masked no-op steps for the others). `train_client` has its own
+batching rule instead (`jax.custom_batching.custom_vmap`, `_lanes_rule`): the participants are
+sorted by step count and trained in phases of shrinking static width (`lane_widths`); a phase runs
+until so few clients are left that the next, narrower phase holds them all. The batched step is
+the same step, so the numbers are those of the unbatched loop. The step is not wrapped in a
+`lax.cond` inside a `scan`: XLA does not merge identical work inside such a branch (BUILD_NOTES,
+"Scan vs top-level step").
+
+Rows are read from the federation's flat arrays (`FedData`): client rows offset .. offset + n - 1.
 """
 from __future__ import annotations
 
@@ -59,29 +65,51 @@ def batch_indices(perms: jax.Array, step: jax.Array, n: jax.Array, batch_size: i
   return perms[epoch, batch_positions(step, n, batch_size, drop_last) % n]
 
 
-def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, n: jax.Array,
-                 ckey: jax.Array, msg: Any, lr: jax.Array, *, batch_size: int,
-                 local_epochs: int, drop_last: bool = True) -> Tuple[Any, jax.Array]:
+def lane_widths(num_lanes: int, shrink: float) -> Tuple[int, ...]:
+  """Decreasing static widths of the phases of a batched local training, ending at 1.
+
+  Each width is the previous one divided by `shrink` (rounded up), so a phase's lanes are never more
+  than `shrink` times the clients still training in it. shrink = 0 gives one phase of all lanes
+  (every participant runs as many steps as the longest one).
+  """
+  if shrink == 0:
+    return (num_lanes,)
+  if shrink <= 1:
+    raise ValueError(f'vmap_shrink = {shrink} is invalid: must be 0 (no shrinking) or > 1')
+  widths = [num_lanes]
+  while widths[-1] > 1:
+    widths.append(min(widths[-1] - 1, -(-widths[-1] // shrink)))
+  return tuple(int(w) for w in widths)
+
+
+def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, offset: jax.Array,
+                 n: jax.Array, ckey: jax.Array, msg: Any, lr: jax.Array, *, n_max: int,
+                 batch_size: int, local_epochs: int, drop_last: bool = True,
+                 shrink: float = 2.0) -> Tuple[Any, jax.Array]:
   """Runs one client's local training.
 
   Args:
     local_step: algorithm step, (client, batch, key, msg, lr) -> (client, loss scalar).
     client: the client's state pytree (no client axis).
-    x: uint8 [n_max, H, W, C]; y: int32 [n_max]; n: int32 scalar true size.
+    x: uint8 [R, H, W, C]; y: int32 [R]: the federation's flat rows (`FedData.x`, `FedData.y`).
+    offset: int32 scalar, the client's first row; n: int32 scalar, its number of rows.
     ckey: the client's round key.
     msg: server broadcast.
     lr: float32 scalar learning rate of this round.
+    n_max: static length of the epoch permutations (`FedData.n_max`).
     drop_last: False adds batch['mask'] and the ragged last batch (module docstring).
+    shrink: under vmap, the phase-width ratio of `lane_widths` (0: no phases).
   Returns:
-    (client state after training, mean loss over the real steps).
+    (client state after training, mean loss over the real steps). Under vmap every output is
+    batched.
   """
-  n_max = x.shape[0]
-  num_steps = local_epochs * steps_per_epoch(n, batch_size, drop_last)
-  perms = epoch_permutations(ckey, n, n_max, local_epochs)
+  def num_steps_of(n):
+    return local_epochs * steps_per_epoch(n, batch_size, drop_last)
 
-  def step(carry):
+  def step(carry, x, y, offset, n, ckey, perms, msg, lr):
+    """One real step of one client: carry (s, client, loss_sum) -> the same."""
     s, client, loss_sum = carry
-    idx = batch_indices(perms, s, n, batch_size, drop_last)
+    idx = offset + batch_indices(perms, s, n, batch_size, drop_last)
     batch = {'x': x[idx], 'y': y[idx]}
     if not drop_last:
       batch['mask'] = batch_positions(s, n, batch_size, drop_last) < n
@@ -89,6 +117,63 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
     # The loss is a metric, kept in float32 whatever the state's dtype (float64 under x64).
     return s + 1, client, loss_sum + loss.astype(jnp.float32)
 
-  init = (jnp.zeros((), jnp.int32), client, jnp.zeros((), jnp.float32))
-  _, client, loss_sum = jax.lax.while_loop(lambda carry: carry[0] < num_steps, step, init)
-  return client, loss_sum / num_steps
+  @jax.custom_batching.custom_vmap
+  def run(client, x, y, offset, n, ckey, msg, lr):
+    perms = epoch_permutations(ckey, n, n_max, local_epochs)
+    init = (jnp.zeros((), jnp.int32), client, jnp.zeros((), jnp.float32))
+    body = lambda carry: step(carry, x, y, offset, n, ckey, perms, msg, lr)
+    _, client, loss_sum = jax.lax.while_loop(lambda c: c[0] < num_steps_of(n), body, init)
+    return client, loss_sum / num_steps_of(n)
+
+  @run.def_vmap
+  def _lanes_rule(axis_size, in_batched, client, x, y, offset, n, ckey, msg, lr):
+    """Batched training of `axis_size` clients in phases of shrinking width (module docstring)."""
+    def own(tree, batched):  # every lane's own copy of a per-client argument
+      return jax.tree_util.tree_map(
+          lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + jnp.shape(a)), tree, batched)
+
+    def rows(tree, batched, idx):  # lanes idx of the batched leaves; unbatched leaves are shared
+      return jax.tree_util.tree_map(lambda a, b: a[idx] if b else a, tree, batched)
+
+    client, offset, n, ckey = (own(t, b) for t, b in zip(
+        (client, offset, n, ckey), (in_batched[0],) + tuple(in_batched[3:6])))
+    steps = num_steps_of(n)
+    order = jnp.argsort(-steps)  # the clients still training always form a prefix of the lanes
+    perms = jax.vmap(lambda k, c: epoch_permutations(k, c, n_max, local_epochs))(ckey, n)
+    every = lambda tree: jax.tree_util.tree_map(lambda _: True, tree)
+    per_lane = (offset, n, ckey, perms)
+    per_lane = rows(per_lane, every(per_lane), order)
+    other = (x, y, msg, lr)
+    other_batched = (in_batched[1], in_batched[2], in_batched[6], in_batched[7])
+    other = rows(other, other_batched, order)
+    other_axes = jax.tree_util.tree_map(lambda b: 0 if b else None, other_batched)
+    sorted_steps = steps[order]
+    full = (jnp.zeros((axis_size,), jnp.int32), rows(client, every(client), order),
+            jnp.zeros((axis_size,), jnp.float32))
+
+    def lane_step(carry, lane, shared):
+      x, y, msg, lr = shared
+      return step(carry, x, y, *lane, msg, lr)
+
+    widths = lane_widths(axis_size, shrink)
+    for width, next_width in zip(widths, widths[1:] + (0,)):
+      head = slice(0, width)
+      lane, shared = rows(per_lane, every(per_lane), head), rows(other, other_batched, head)
+      todo = sorted_steps[head]
+
+      def body(carry, lane=lane, shared=shared, todo=todo):
+        new = jax.vmap(lane_step, in_axes=(0, 0, other_axes))(carry, lane, shared)
+        live = carry[0] < todo  # a finished client keeps its state bit for bit
+        return jax.tree_util.tree_map(
+            lambda a, b: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, carry)
+
+      def more(carry, todo=todo, next_width=next_width):
+        return jnp.sum(carry[0] < todo) > next_width
+
+      done = jax.lax.while_loop(more, body, rows(full, every(full), head))
+      full = jax.tree_util.tree_map(lambda f, d: f.at[head].set(d), full, done)
+    _, client, loss_sum = rows(full, every(full), jnp.argsort(order))
+    out = (client, loss_sum / steps)
+    return out, every(out)
+
+  return run(client, x, y, offset, n, ckey, msg, lr)

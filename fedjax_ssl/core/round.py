@@ -38,6 +38,11 @@ class RoundConfig:
     map_chunk_size: clients per chunk for 'map'.
     drop_last: False keeps each epoch's ragged last batch (core/local.py); only for algorithms
       with `ragged_batches`.
+    vmap_shrink: under vmap, participants still training are regrouped into a batch this many
+      times narrower whenever that few are left (core/local.py, `lane_widths`), so a round costs
+      about its real steps; 0 runs every participant as long as the longest one.
+    client_state: 'device' keeps the stacked client state on the accelerator; 'host' keeps it in
+      host memory and moves only the round's participants (`make_round_step`).
   """
   clients_per_round: int
   local_epochs: int
@@ -46,15 +51,38 @@ class RoundConfig:
   strategy: str = 'auto'
   map_chunk_size: int = 1
   drop_last: bool = True
+  vmap_shrink: float = 2.0
+  client_state: str = 'device'
 
 
-def init_state(algo: Algorithm, key: jax.Array, num_clients: int) -> FedState:
-  """Initial state: stacked client states and the server state, round 0."""
-  clients, server = algo.init(key, num_clients)
+CLIENT_STATES = ('device', 'host')
+
+
+def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: str = 'device'
+               ) -> FedState:
+  """Initial state: stacked client states and the server state, round 0.
+
+  client_state='host' returns the client stacks as numpy arrays (computed on the CPU backend, so
+  the accelerator never holds all C clients; same threefry draws, so the same numbers on CPU).
+  """
+  if client_state not in CLIENT_STATES:
+    raise ValueError(f'client_state = {client_state!r} is invalid: must be one of {CLIENT_STATES}')
+  if client_state == 'host':
+    with jax.default_device(jax.local_devices(backend='cpu')[0]):
+      clients, server = algo.init(key, num_clients)
+    clients = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), clients)
+    # Through numpy, so that the server lands uncommitted on the default device below (an array
+    # committed to one device cannot enter a round sharded over several).
+    server = jax.device_get(server)
+  else:
+    clients, server = algo.init(key, num_clients)
   # One buffer per leaf: the round step donates the state, and XLA refuses a buffer donated twice
   # (an init that reuses one zeros array for two leaves would otherwise fail on the first round).
-  state = FedState(clients=clients, server=server, round=jnp.zeros((), jnp.int32))
-  return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), state)
+  server, rnd = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True),
+                                       (server, jnp.zeros((), jnp.int32)))
+  if client_state == 'device':
+    clients = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), clients)
+  return FedState(clients=clients, server=server, round=rnd)
 
 
 def sample_participants(rkey: jax.Array, num_clients: int, m: int) -> jax.Array:
@@ -71,21 +99,23 @@ def client_round_fn(algo: Algorithm, cfg: RoundConfig, client_algo: Algorithm | 
 
   `client_algo` (default `algo`) supplies the client-side functions: a cohort's own Algorithm in a
   multi-cohort run, where `algo` (the parent) supplies the server-side `personalize`.
-  Returns fn(stored, x, y, n, ckey, cid, msg, lr) -> (stored, payload, mean loss), where `stored`
+  Returns fn(stored, ckey, cid, data, msg, lr) -> (stored, payload, mean loss), where `stored`
   is the part of the client's state kept between rounds (the whole state unless the algorithm
-  declares `persist`/`restore`).
+  declares `persist`/`restore`) and `data` the whole FedData.
   """
   ca = client_algo or algo
 
-  def fn(stored, x, y, n, ckey, cid, msg, lr):
+  def fn(stored, ckey, cid, data, msg, lr):
     if algo.personalize is not None:
       msg = algo.personalize(msg, cid)
     start = ca.begin(restore_client(ca, stored, msg), msg, rng.begin_key(ckey))
-    trained, loss = local.train_client(ca.local_step, start, x, y, n, ckey, msg, lr,
-                                       batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-                                       drop_last=cfg.drop_last)
+    trained, loss = local.train_client(
+        ca.local_step, start, data.x, data.y, data.offsets[cid], data.n[cid], ckey, msg, lr,
+        n_max=data.n_max, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
+        drop_last=cfg.drop_last, shrink=cfg.vmap_shrink)
     trained = ca.end(start, trained, msg)
-    payload = ca.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
+    # The padded view is gathered only if `upload` reads it (XLA drops it otherwise).
+    payload = ca.upload(trained, msg, LocalData(*data.client(cid), rng.upload_key(ckey)))
     return persist_client(ca, trained), payload, loss
   return fn
 
@@ -142,35 +172,50 @@ def _broadcast(algo: Algorithm, server, data: FedData):
   return msg
 
 
-def _finish_round(algo: Algorithm, state: FedState, server, ids, n_sel, new_sel, payloads, losses,
-                  lr, msg):
+def _aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, losses, lr,
+                     msg):
+  """(server after `aggregate`, round metrics) of a single-cohort round."""
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   weights = n_sel.astype(fdtype) / jnp.sum(n_sel).astype(fdtype)
   prepared = server
   server = algo.aggregate(server, payloads, weights, ids)
-  clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
   metrics = {'loss': jnp.mean(losses), 'lr': lr,
              **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state, prepared)}
-  return FedState(clients=clients, server=server, round=state.round + 1), metrics
+  return server, metrics
 
 
-def _finish_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, new_sel,
-                         payloads, losses, lr, m: int, msg):
-  """Aggregate and scatter of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
+def _aggregate_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, payloads,
+                            losses, lr, m: int, msg):
+  """(server, metrics) of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   prepared = server
   counts = tuple(jnp.where(s.valid, n, 0).astype(fdtype) for s, n in zip(slots, n_sel))
   total = sum(jnp.sum(c) for c in counts)
   server = algo.aggregate(server, payloads, tuple(c / total for c in counts), slots)
-  clients = tuple(
-      jax.tree_util.tree_map(lambda a, b, s=s: a.at[s.local].set(b, mode='drop'), stack, new)
-      for stack, new, s in zip(state.clients, new_sel, slots))
   loss = sum(jnp.sum(jnp.where(s.valid, l, 0.0)) for s, l in zip(slots, losses)) / m
   metrics = {'loss': loss, 'lr': lr,
              **comm.round_metrics(algo, msg, payloads, tuple(jnp.sum(s.valid) for s in slots), state,
                                  prepared)}
-  return FedState(clients=clients, server=server, round=state.round + 1), metrics
+  return server, metrics
+
+
+def _gather(stacks: Tuple, slots: Tuple[CohortSlots, ...]) -> Tuple:
+  """Per cohort, the stored states of its slots (an unfilled slot's index is clamped: a real
+  client, trained and then discarded)."""
+  return tuple(jax.tree_util.tree_map(lambda a, s=s: a[s.local], stack)
+               for stack, s in zip(stacks, slots))
+
+
+def _scatter(stacks: Tuple, slots: Tuple[CohortSlots, ...], new: Tuple) -> Tuple:
+  """Per cohort, the stacks with the participants' new stored states (unfilled slots dropped)."""
+  return tuple(jax.tree_util.tree_map(lambda a, b, s=s: a.at[s.local].set(b, mode='drop'), st, nw)
+               for st, nw, s in zip(stacks, new, slots))
+
+
+def _unstack(algo: Algorithm, stacks: Tuple):
+  """The inverse of `cohort_stacks`."""
+  return stacks if algo.cohorts else stacks[0]
 
 
 def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) -> None:
@@ -186,6 +231,10 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
     raise ValueError(f'local_epochs = {cfg.local_epochs} is invalid: must be >= 1')
   if cfg.batch_size < 1:
     raise ValueError(f'batch_size = {cfg.batch_size} is invalid: must be >= 1')
+  if cfg.client_state not in CLIENT_STATES:
+    raise ValueError(f'client_state = {cfg.client_state!r} is invalid: must be one of '
+                     f'{CLIENT_STATES}')
+  local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
     members = sorted(i for c in algo.cohorts for i in c.members)
@@ -201,10 +250,17 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
 
 def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, donate: bool = True
                     ) -> Callable[[FedState, FedData, jax.Array], Tuple[FedState, Dict[str, jax.Array]]]:
-  """Builds the jitted `round_step(state, fed_data, round_key) -> (state, metrics)`.
+  """Builds `round_step(state, fed_data, round_key) -> (state, metrics)`.
 
   `round_key` should be `rng.round_key(root_key, round_idx)`; everything random in the round derives
-  from it. The incoming state's buffers are donated (no second copy of the stacked client state).
+  from it.
+
+  With cfg.client_state = 'device' it is ONE jitted function and the incoming state's buffers are
+  donated (no second copy of the stacked client state). With 'host' the stacked client state is a
+  pytree of numpy arrays (`init_state(..., client_state='host')`): the participants are drawn by a
+  small jitted call, their stored states copied to the device, the round (the same traced function
+  as 'device') run on them, and their new states written back into the host arrays in place (the
+  host counterpart of donation). The device then holds m participants' states, never C.
 
   Participants are sampled over all clients. With cohorts, each cohort trains its own participants
   in min(m, C_c) static slots under the same strategy; a participant's keys depend only on its
@@ -216,31 +272,72 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   groups = cohorts(algo, num_clients)
   fns = tuple(client_round_fn(algo, cfg, c.client) for c in groups)
 
-  def train(fn, stack, slots, data, key, msg, lr):
-    sel = jax.tree_util.tree_map(lambda a: a[slots.local], stack)
+  def participants(key):
+    ids = sample_participants(key, num_clients, m)
+    return ids, tuple(cohort_slots(ids, c, num_clients, m) for c in groups)
+
+  def train(fn, sel, slots, data, key, msg, lr):
     ckeys = jax.vmap(lambda c: rng.client_key(key, c))(slots.ids)
     n_sel = data.n[slots.ids]
-    out = strategies.map_clients(
-        fn, (sel, data.x[slots.ids], data.y[slots.ids], n_sel, ckeys, slots.ids), (msg, lr),
-        strategy=strategy, chunk_size=cfg.map_chunk_size)
+    out = strategies.map_clients(fn, (sel, ckeys, slots.ids), (data, msg, lr), strategy=strategy,
+                                 chunk_size=cfg.map_chunk_size)
     return (n_sel,) + tuple(out)
 
-  def round_step(state: FedState, data: FedData, key: jax.Array):
-    ids = sample_participants(key, data.num_clients, m)
+  def trained(state: FedState, sel: Tuple, data: FedData, key: jax.Array):
+    """The round given its participants' stored states `sel` (per cohort): (server, new stored
+    states per cohort, metrics). `state.clients` is not read unless `prepare` reads it."""
+    ids, slots = participants(key)
     server = _prepare(algo, state, data, ids, key)
     msg = _broadcast(algo, server, data)
     lr = cfg.lr_fn(state.round)
-    if not algo.cohorts:
-      slots = cohort_slots(ids, groups[0], num_clients, m)
-      n_sel, new_sel, payloads, losses = train(fns[0], state.clients, slots, data, key, msg, lr)
-      return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr, msg)
-    slots = tuple(cohort_slots(ids, c, num_clients, m) for c in groups)
-    outs = [train(f, st, s, data, key, msg, lr) for f, st, s in zip(fns, state.clients, slots)]
+    outs = [train(f, st, sl, data, key, msg, lr) for f, st, sl in zip(fns, sel, slots)]
     n_sel, new_sel, payloads, losses = (tuple(o[i] for o in outs) for i in range(4))
-    return _finish_cohort_round(algo, state, server, slots, n_sel, new_sel, payloads, losses, lr,
-                                m, msg)
+    if algo.cohorts:
+      server, metrics = _aggregate_cohort_round(algo, state, server, slots, n_sel, payloads,
+                                                losses, lr, m, msg)
+    else:
+      server, metrics = _aggregate_round(algo, state, server, ids, n_sel[0], payloads[0],
+                                         losses[0], lr, msg)
+    return server, new_sel, metrics
 
-  return jax.jit(round_step, donate_argnums=(0,) if donate else ())
+  if cfg.client_state == 'host':
+    if algo.prepare_reads_clients:
+      raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
+                       "`prepare` reads every client's state on the device; use 'device'")
+    return _host_round_step(algo, strategies.jit_replicated(participants),
+                            strategies.jit_replicated(trained))
+
+  def round_step(state: FedState, data: FedData, key: jax.Array):
+    _, slots = participants(key)
+    stacks = cohort_stacks(algo, state.clients)
+    server, new_sel, metrics = trained(state, _gather(stacks, slots), data, key)
+    clients = _unstack(algo, _scatter(stacks, slots, new_sel))
+    return FedState(clients=clients, server=server, round=state.round + 1), metrics
+
+  return strategies.jit_replicated(round_step, donate_argnums=(0,) if donate else ())
+
+
+def _host_round_step(algo: Algorithm, participants: Callable, trained: Callable) -> Callable:
+  """The 'host' placement of `make_round_step` around its jitted `participants` and `trained`."""
+  def round_step(state: FedState, data: FedData, key: jax.Array):
+    _, slots = jax.device_get(participants(key))
+    stacks = cohort_stacks(algo, state.clients)
+    sel = []
+    for stack, sl in zip(stacks, slots):
+      size = jax.tree_util.tree_leaves(stack)[0].shape[0] if jax.tree_util.tree_leaves(stack) else 1
+      local = np.minimum(sl.local, size - 1)  # the device round's clamp of unfilled slots
+      sel.append(jax.tree_util.tree_map(lambda a, i=local: a[i], stack))
+    sel = strategies.replicate(tuple(sel)) if strategies.multi_process() else jax.device_put(
+        tuple(sel))
+    server, new_sel, metrics = trained(state.replace(clients=None), sel, data, key)
+    for stack, new, sl in zip(stacks, jax.device_get(new_sel), slots):
+      def put(a, b, sl=sl):
+        a[sl.local[sl.valid]] = b[sl.valid]
+      jax.tree_util.tree_map(put, stack, new)
+    return FedState(clients=state.clients, server=server, round=state.round + 1), metrics
+  # The device-side program, for memory analysis: trained(state less clients, sel, data, key).
+  round_step.device_program = trained
+  return round_step
 
 
 def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: FedState,
@@ -258,8 +355,8 @@ def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: Fe
       cid = cohort.members[0]
       client = jax.tree_util.tree_map(lambda a: a[0], stack)
       fn = client_round_fn(algo, cfg, cohort.client)
-      payloads.append(fn(client, data.x[cid], data.y[cid], data.n[cid], rng.client_key(key, cid),
-                         jnp.int32(cid), msg, cfg.lr_fn(state.round))[1])
+      payloads.append(fn(client, rng.client_key(key, cid), jnp.int32(cid), data, msg,
+                         cfg.lr_fn(state.round))[1])
     return msg, payloads
 
   msg, payloads = jax.eval_shape(shapes, state, data, jax.random.PRNGKey(0))
@@ -284,7 +381,9 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
 
   @jax.jit
   def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr, msg):
-    return _finish_round(algo, state, server, ids, n_sel, new_sel, payloads, losses, lr, msg)
+    server, metrics = _aggregate_round(algo, state, server, ids, n_sel, payloads, losses, lr, msg)
+    clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
+    return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
   return prepare, finish
 
@@ -302,8 +401,7 @@ def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: i
     outs = []
     for cid in [int(i) for i in ids]:
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
-      outs.append(per_client(client, data.x[cid], data.y[cid], data.n[cid],
-                             rng.client_key(key, cid), jnp.int32(cid), msg, lr))
+      outs.append(per_client(client, rng.client_key(key, cid), jnp.int32(cid), data, msg, lr))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     return finish(state, server, ids, data.n[ids], *stacked, lr, msg)
 
@@ -331,32 +429,33 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
     return algo.local_step(client, batch, rng.step_key(ckey, s), msg, lr)
 
   @jax.jit
-  def end(start, trained, msg, x, y, n, ckey):
+  def end(start, trained, msg, data, cid, ckey):
     trained = algo.end(start, trained, msg)
-    payload = algo.upload(trained, msg, LocalData(x, y, n, rng.upload_key(ckey)))
+    payload = algo.upload(trained, msg, LocalData(*data.client(cid), rng.upload_key(ckey)))
     return persist_client(algo, trained), payload
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
     ids, server, msg_all, lr = prepare(state, data, key)
     x_host, y_host, n_host = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
+    off_host = np.asarray(data.offsets)
     outs = []
     for cid in [int(i) for i in ids]:
       msg = personalize(msg_all, jnp.int32(cid))
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
       ckey, n = rng.client_key(key, cid), int(n_host[cid])
-      start, perms = begin(client, msg, ckey, n_host[cid], n_max=data.x.shape[1])
+      start, perms = begin(client, msg, ckey, n_host[cid], n_max=data.n_max)
       perms = np.asarray(perms)
       spe = int(local.steps_per_epoch(n, bsz, cfg.drop_last))
       trained, losses = start, []
       for s in range(epochs * spe):
         pos = (s % spe) * bsz + np.arange(bsz)
-        idx = perms[s // spe, pos % n]
-        batch = {'x': x_host[cid, idx], 'y': y_host[cid, idx]}
+        idx = off_host[cid] + perms[s // spe, pos % n]
+        batch = {'x': x_host[idx], 'y': y_host[idx]}
         if not cfg.drop_last:
           batch['mask'] = pos < n
         trained, loss = step(trained, batch, ckey, s, msg, lr)
         losses.append(loss)
-      trained, payload = end(start, trained, msg, data.x[cid], data.y[cid], data.n[cid], ckey)
+      trained, payload = end(start, trained, msg, data, jnp.int32(cid), ckey)
       outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
     return finish(state, server, ids, data.n[ids], *stacked, lr, msg_all)

@@ -6,9 +6,13 @@ sees the client axis:
             chunk 1 clients run one after another inside ONE compiled program, no Python dispatch).
 * 'shard' — the participant axis split over a 1-D device mesh named 'clients' (`jax.shard_map`),
             each device running its local clients in chunks of `chunk_size` (one vmap when the
-            chunk covers them all). Multi-host works the same once `jax.distributed.initialize()`
-            has been called. On a CPU host with one XLA device per core
+            chunk covers them all). On a CPU host with one XLA device per core
             (`--xla_force_host_platform_device_count`) this runs clients on all cores at once.
+
+Several processes (`jax.distributed.initialize()`, JAX's multi-controller runtime): the mesh holds
+every process's devices. Every process holds the whole data and state, replicated over the mesh
+(`replicate`), and the round's outputs are kept replicated (`jit_replicated`), so each process can
+read metrics and state without a collective; only the participants' work is split.
 """
 from __future__ import annotations
 
@@ -109,3 +113,30 @@ def map_clients(fn: Callable, per_client: Sequence[Any], shared: Sequence[Any], 
     return jax.shard_map(local, mesh=mesh, in_specs=(P('clients'), P()), out_specs=P('clients'),
                          check_vma=False)(per_client, shared)
   raise ValueError(f'strategy = {strategy!r} is invalid: must be one of {STRATEGIES}')
+
+
+def multi_process() -> bool:
+  """True under `jax.distributed` with more than one process."""
+  return jax.process_count() > 1
+
+
+def _replicated_sharding() -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(Mesh(np.array(jax.devices()), ('clients',)), P())
+
+
+def replicate(tree: Any) -> Any:
+  """`tree` as global arrays replicated on every device of every process (each process passes the
+  same values; no cross-process traffic). Single process: `tree` unchanged."""
+  if not multi_process():
+    return tree
+  sharding = _replicated_sharding()
+  return jax.tree_util.tree_map(
+      lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a), np.shape(a)), tree)
+
+
+def jit_replicated(fn: Callable, **jit_kw) -> Callable:
+  """`jax.jit(fn)` whose outputs are replicated over every process's devices when there are
+  several processes (so they can be read on each one and fed back in)."""
+  if multi_process():
+    jit_kw['out_shardings'] = _replicated_sharding()
+  return jax.jit(fn, **jit_kw)

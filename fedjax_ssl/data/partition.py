@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_ssl.data.types import Dataset, FedData
@@ -243,8 +242,8 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
     public_stratified: class-stratified public set.
 
   Returns:
-    fed_data: FedData with x uint8 [C, n_max, H, W, ch] (zero padding), y int32 [C, n_max]
-      (-1 padding), n int32 [C], public_x uint8 [L, H, W, ch] or None.
+    fed_data: FedData in the flat layout (x uint8 [Σ n, H, W, ch], y int32 [Σ n], n and offsets
+      int32 [C]), public_x uint8 [L, H, W, ch] or None.
     info: dict(histogram=int64 [C, num_classes], indices=list of C int64 arrays into train_x,
       public_idx=int64 [L]).
   """
@@ -262,15 +261,9 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
                     num_classes=dataset.num_classes, **scheme_kw)
   indices = [remaining[p] for p in parts]
 
-  sizes = np.array([p.size for p in indices], np.int32)
-  n_max = max(int(sizes.max()), 1)
-  x = np.zeros((num_clients, n_max) + dataset.image_shape, np.uint8)
-  y = np.full((num_clients, n_max), -1, np.int32)
-  for c, idx in enumerate(indices):
-    x[c, :idx.size] = dataset.train_x[idx]
-    y[c, :idx.size] = dataset.train_y[idx]
-  public_x = jnp.asarray(dataset.train_x[public_idx]) if public_size else None
-  fed = FedData(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes), public_x=public_x)
+  public_x = dataset.train_x[public_idx] if public_size else None
+  fed = FedData.from_clients([dataset.train_x[idx] for idx in indices],
+                             [dataset.train_y[idx] for idx in indices], public_x)
   info = dict(histogram=class_histogram(dataset.train_y, indices, dataset.num_classes),
               indices=indices, public_idx=public_idx)
   return fed, info

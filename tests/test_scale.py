@@ -1,0 +1,171 @@
+"""Scale: phases of shrinking width under vmap (a skewed round costs its real steps), and a run
+over two processes (jax.distributed on 127.0.0.1) with the client state in host memory that equals a
+one-process run and resumes exactly from a checkpoint. The flat data layout is tested in
+test_partition; the round equivalences with host state and other phase widths in
+test_round_equivalence."""
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_ssl.core import local, rng
+from fedjax_ssl.core import round as rd
+from tests import test_round_equivalence as eq
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_lane_widths():
+  assert local.lane_widths(10, 2) == (10, 5, 3, 2, 1)
+  assert local.lane_widths(4, 1.5) == (4, 3, 2, 1)
+  assert local.lane_widths(1, 2) == (1,)
+  assert local.lane_widths(7, 0) == (7,)
+  with pytest.raises(ValueError, match='vmap_shrink = 1.0'):
+    local.lane_widths(4, 1.0)
+
+
+# Clients of 2, 4, 16 and 16 rows, batch 2, one epoch: 1, 2, 8 and 8 real steps (19 in all).
+SIZES = np.array([2, 4, 16, 16], np.int32)
+
+
+def _count_lane_steps(shrink):
+  """(lane-steps executed by a vmapped training of the 4 clients, outputs). The step reports each
+  lane it runs through a callback; a masked no-op step of a finished client is still run."""
+  calls = []
+
+  def local_step(client, batch, key, msg, lr):
+    jax.debug.callback(lambda _: calls.append(1), client['w'])
+    x = batch['x'].astype(jnp.float32).sum() + jax.random.uniform(key) + msg
+    return {'w': client['w'] + lr * x}, x
+
+  x = jnp.arange(int(SIZES.sum()), dtype=jnp.uint8)[:, None]
+  y = jnp.zeros((int(SIZES.sum()),), jnp.int32)
+  offsets = jnp.asarray(np.cumsum(SIZES) - SIZES)
+  keys = jax.vmap(lambda c: rng.client_key(jax.random.PRNGKey(0), c))(jnp.arange(4))
+  msgs = jnp.arange(4, dtype=jnp.float32)  # a per-client (personalised) message
+
+  def one(offset, n, key, msg):
+    return local.train_client(local_step, {'w': jnp.float32(0)}, x, y, offset, n, key, msg,
+                              jnp.float32(0.5), n_max=16, batch_size=2, local_epochs=1,
+                              shrink=shrink)
+
+  out = jax.jit(jax.vmap(one))(offsets, jnp.asarray(SIZES), keys, msgs)
+  jax.block_until_ready(out)
+  jax.effects_barrier()
+  singles = [jax.jit(one)(offsets[c], SIZES[c], keys[c], msgs[c]) for c in range(4)]
+  return len(calls), out, singles
+
+
+@pytest.mark.parametrize('shrink,executed', [(0.0, 4 * 8), (2.0, 4 * 2 + 2 * 6)])
+def test_vmapped_training_runs_its_real_steps(shrink, executed):
+  """Without phases every lane runs the longest client's 8 steps (32); with widths 4, 2, 1 the
+  4 lanes run while more than 2 clients train (2 steps), then 2 lanes the last 6: 20 lane-steps for
+  19 real ones. Each client's result is that of its own unbatched loop."""
+  count, out, singles = _count_lane_steps(shrink)
+  assert count - int(np.sum(SIZES // 2)) == executed  # less the unbatched calls' 19 steps
+  for c, (w, loss) in enumerate(singles):
+    assert float(out[0]['w'][c]) == float(w['w'])
+    assert float(out[1][c]) == float(loss)
+
+
+def test_host_client_state_refuses_a_prepare_that_reads_clients():
+  algo = dataclasses.replace(eq._algo('fedema')[0], prepare_reads_clients=True)
+  with pytest.raises(ValueError, match="client_state = 'host' is invalid for algorithm 'fedema'"):
+    rd.make_round_step(algo, eq._round_cfg('vmap', 3, client_state='host'), eq.NUM_CLIENTS)
+
+
+# Four clients, all participating, over 4 devices: 2 processes x 2 CPU devices, or this process's
+# 4 (conftest). Two rounds of FedSimCLR on the shipped Fashion-MNIST subset, with the client state in
+# host memory: without the optimizer reset each client keeps its momentum between rounds, so there
+# is real per-client state to move, checkpoint and restore. The MLP encoder and flip-only views keep
+# compile time down (~18 s a run).
+TRAIN_FLAGS = [
+    '--config=configs/quickstart.py', '--config.dataset=fashion_mnist_subset',
+    '--config.train_size=160', '--config.num_clients=4', '--config.clients_per_round=4',
+    '--config.partition=dirichlet', '--config.alpha=0.5', '--config.batch_size=16',
+    '--config.local_epochs=1', '--config.rounds=2', '--config.checkpoint_every=1',
+    '--config.probe_epochs=1', '--config.probe_std_epochs=0', '--config.eval_every=0',
+    '--config.knn_k=10', '--config.strategy=shard', '--config.encoder=mlp',
+    '--config.augmentation=flip', '--config.client_state=host', '--config.reset_optimizer=False',
+]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(workdir):
+  """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
+  env = dict(os.environ, PYTHONPATH=str(REPO),
+             XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
+      f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
+  procs = [subprocess.Popen(common + [f'--process_id={i}'], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  try:
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs[0]
+
+
+def _records(workdir):
+  return [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_and_resume(tmp_path):
+  from configs import quickstart
+  from experiments import train
+  config = quickstart.get_config()
+  for flag in TRAIN_FLAGS[1:]:
+    key, value = flag[len('--config.'):].split('=', 1)
+    config[key] = value == 'True' if isinstance(config[key], bool) else type(config[key])(value)
+  train.train_and_evaluate(config, str(tmp_path / 'one'), verbose=False)
+  want = _records(tmp_path / 'one')
+
+  _two_processes(tmp_path / 'two')
+  got = _records(tmp_path / 'two')
+  # Only process 0 writes: one log, one metrics file; the other process logs to its own file.
+  assert (tmp_path / 'two' / 'train.process1.log').exists()
+  assert [r['round'] for r in got] == [0, 1, 2]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys()
+    for k in g:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f'round {g["round"]} {k}')
+
+  # Resume: without the last checkpoint, the same command redoes round 2 from round 1's.
+  shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
+  out = _two_processes(tmp_path / 'two')
+  assert 'resumed from the checkpoint of round 1' in out
+  assert _records(tmp_path / 'two') == got
+
+
+@pytest.mark.parametrize('overrides,match', [
+    (dict(client_state='disk'), "client_state = 'disk' is invalid"),
+    (dict(vmap_shrink=0.5), 'vmap_shrink = 0.5 is invalid'),
+    (dict(client_state='host', algorithm='fd', ssl_method='supervised'),
+     "client_state = 'host' is invalid for algorithm 'fd'"),
+])
+def test_bad_scale_config_raises_before_any_compute(overrides, match):
+  from fedjax_ssl import experiment
+  from fedjax_ssl.config_validation import ConfigError
+  config = experiment.default_config()
+  config.update(overrides)
+  with pytest.raises(ConfigError, match=match):
+    experiment.validate_config(config)
