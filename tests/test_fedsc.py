@@ -127,8 +127,10 @@ def test_fedsc_before_any_share_is_fedavg_sc():
   """A FedSC round without a matrix yet (alpha = 1, R_other = 0) computes FedAvg+SC's local loss,
   so both runs reach the same model (the inter-client term adds exactly 0)."""
   spec, data = _spec(), _data()
+  # vmap_shrink = 0: one phase (the phases are tested in test_round_equivalence; each width costs
+  # one more compile of the step).
   cfg = rd.RoundConfig(clients_per_round=3, local_epochs=1, batch_size=4, lr_fn=lambda r: 0.05,
-                       strategy='vmap')
+                       strategy='vmap', vmap_shrink=0)
   key = rng.round_key(jax.random.PRNGKey(2), 0)
   out = []
   for algo in (fedsc.make(spec, num_rounds=5, share_start=5, calr_views=1),
@@ -210,7 +212,7 @@ def test_prepare_uploads_are_counted_in_the_round_metrics():
   algo = fedsc.make(_spec(), num_rounds=5, calr_views=1, calr_batch=16)
   data, h = _data(), 5
   cfg = rd.RoundConfig(clients_per_round=2, local_epochs=1, batch_size=4,
-                       lr_fn=lambda r: jnp.float32(0.01), strategy='vmap')
+                       lr_fn=lambda r: jnp.float32(0.01), strategy='vmap', vmap_shrink=0)
   state = rd.init_state(algo, jax.random.PRNGKey(0), 4)
   per = rd.message_bytes(algo, cfg, 4, state, data)[0]
   assert per.down > per.up  # the model plus R̃_{-j} [H, H] and alpha come down
