@@ -30,6 +30,9 @@ OVERRIDES = [
     '--config.local_epochs=1', f'--config.rounds={ROUNDS}', '--config.checkpoint_every=2',
     '--config.probe_epochs=2', '--config.probe_std_epochs=0', '--config.eval_every=0',
     '--config.knn_k=20',
+    # The MLP encoder and flip-only views: what these tests check (resume, logs, console) does not
+    # depend on the model, and LeNet-5 with the crop augmentation doubled their compile time.
+    '--config.encoder=mlp', '--config.augmentation=flip',
 ]
 
 
@@ -137,7 +140,7 @@ def _tiny_config(**overrides):
   config.update(dict(dataset='fashion_mnist_subset', train_size=200, num_clients=2,
                      clients_per_round=2, partition='iid', batch_size=20, local_epochs=1, rounds=1,
                      checkpoint_every=1, probe_epochs=1, probe_std_epochs=0, eval_every=0,
-                     knn_k=10))
+                     knn_k=10, encoder='mlp', augmentation='flip'))
   config.update(overrides)
   return config
 
@@ -163,7 +166,8 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
          f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in dict(
              dataset='fashion_mnist_subset', train_size=200, num_clients=2, clients_per_round=2,
              partition='iid', batch_size=20, local_epochs=1, rounds=2, checkpoint_every=1,
-             probe_epochs=1, probe_std_epochs=0, eval_every=1, knn_k=10).items()]
+             probe_epochs=1, probe_std_epochs=0, eval_every=1, knn_k=10, encoder='mlp',
+             augmentation='flip').items()]
   out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
                        check=True)
   # stdout: the lines meant for a person, and only those.
@@ -172,7 +176,7 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
                       'partition, 2 per round')
   assert lines[1].split() == ['client', 'n'] + [str(c) for c in range(10)]
   assert re.fullmatch(r' total  200( +\d+){10}', lines[6]), lines[6]
-  assert lines[7].startswith('fedavg / simclr, lenet5 encoder, 2 rounds; jax on cpu')
+  assert lines[7].startswith('fedavg / simclr, mlp encoder, 2 rounds; jax on cpu')
   per = re.fullmatch(r'communication per participant and round: fedavg: up ([\d,]+) B, down '
                      r'\1 B', lines[8])
   assert per, lines[8]
