@@ -222,7 +222,7 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
     return {}
 
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
-    final = experiment.evaluate(config, algo, state, dataset)
+    final = experiment.evaluate(config, algo, _local(state), dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(state))
   writer.close()
