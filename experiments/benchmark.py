@@ -46,7 +46,7 @@ Augmentations (--augmentations): `byol_easyfl` (on-device SimCLR-style augmentat
 setting) and `flip` = model compute: the views differ only by a random horizontal flip, as PyTorch's
 two pre-made tensors differ. Not 'none': with identical views XLA computes the model once for both
 views (BUILD_NOTES, "Scan vs top-level step"), half the work PyTorch does.
-All JAX variants compute the same numbers (tests/test_round_equivalence.py). Every variant first runs
+All JAX variants compute the same numbers (tests/core/test_round_equivalence.py). Every variant first runs
 one warm-up round; then the timed rounds are interleaved across variants (round r of each variant,
 then round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
 --repeats), client-steps per second, achieved GFLOP/s (XLA's flop count of one jitted local step

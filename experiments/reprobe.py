@@ -6,7 +6,7 @@ Rebuilds the random-init state from the run's own config and seed, restores the 
 the run's checkpoints (read-only: safe next to a running job; the latest round unless --round), and
 prints the linear-probe accuracy of both encoders as JSON (also written to
 DIR/reprobe_<epochs>ep[_std].json). Without flags it re-runs the run's own probe protocol and
-reproduces its final probe accuracy (tests/test_train_binary.py). Use it to check that a margin over
+reproduces its final probe accuracy (tests/experiments/test_train_binary.py). Use it to check that a margin over
 random features survives a stronger probe (BUILD_NOTES.md, "Quickstart"). Library logs go to
 DIR/reprobe.log (warnings also to the console); a config error is one `error: ...` line on stderr.
 """

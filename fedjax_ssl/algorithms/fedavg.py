@@ -137,7 +137,7 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
 
   stateless: store per client only what survives a round (`persistent_part`; memory = the server
     plus the round's participants). False stores every client's whole state, as before stateless
-    clients existed; both compute the same numbers (tests/test_round_equivalence.py).
+    clients existed; both compute the same numbers (tests/core/test_round_equivalence.py).
   """
   if byol_target_sync not in BYOL_TARGET_SYNC:
     raise ValueError(f'byol_target_sync = {byol_target_sync!r} is invalid: must be one of '

@@ -19,9 +19,9 @@ import pytest
 
 from fedjax_ssl.core import local, rng
 from fedjax_ssl.core import round as rd
-from tests import test_round_equivalence as eq
+from tests.core import test_round_equivalence as eq
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_lane_widths():

@@ -22,7 +22,7 @@ from fedjax_ssl import checkpoint, experiment
 from fedjax_ssl.config_validation import ConfigError
 from fedjax_ssl.data import sources
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 ROUNDS = 6
 OVERRIDES = [
     '--config.dataset=fashion_mnist_subset', '--config.train_size=400', '--config.num_clients=4',

@@ -14,7 +14,7 @@ from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import FedData
 from tests import reference
-from tests.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
+from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
                                           _data, _float64, _round_cfg)
 
 RAD = 12

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # A supervised FedAvg small-CNN step of batch 128 (its temporaries are ~53 MiB, above glibc's
 # largest mmap threshold of 32 MiB; a small program, so it compiles fast), jitted at top level; prints its temporary bytes and the minor page faults

@@ -138,7 +138,7 @@ REFERENCE_HOOKS = {
 # The sweep over algorithms runs vmap without phases (vmap_shrink = 0): the phases live in
 # core/local.py's batching rule and treat the step as opaque, and each phase width compiles one more
 # copy of the step (~7 s per test on 2 cores). The default phases (2.0) and another width set (1.5)
-# run in test_vmap_phase_widths_change_no_number, the host tests and tests/test_scale.py.
+# run in test_vmap_phase_widths_change_no_number, the host tests and tests/core/test_scale.py.
 def _round_cfg(strategy, m, chunk=2, drop_last=True, client_state='device', vmap_shrink=0.0):
   return rd.RoundConfig(clients_per_round=m, local_epochs=EPOCHS, batch_size=BATCH,
                         lr_fn=lambda r: optim.round_lr(0.02, 'cosine', r, 10), strategy=strategy,

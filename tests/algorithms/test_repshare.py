@@ -20,7 +20,7 @@ from fedjax_ssl.data.types import FedData
 from fedjax_ssl.models import layers
 from fedjax_ssl.ops import prototypes
 from tests import reference
-from tests.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
+from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
                                           _data, _float64, _round_cfg)
 
 NUM_CLASSES, FEATURES = 3, 5  # _data() draws labels 0..2
