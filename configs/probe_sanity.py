@@ -4,8 +4,8 @@ r"""Probe sanity check: a supervised small CNN vs the random-init one, on the sh
 
 Centralized supervised training (one client holding the 3,000-image stratified Fashion-MNIST subset
 of tests/data), then the linear probe (frozen 128-d backbone features, full subset train -> its
-1,000 test images) for the trained and the random-init encoders. Expected (BUILD_NOTES.md, "Probe
-sanity check"): the trained encoder's probe well above the random-init encoder's.
+1,000 test images) for the trained and the random-init encoders. Expected (docs/notes/
+evaluation.md#probe-sanity-check): the trained encoder's probe well above the random-init encoder's.
 """
 from fedjax_ssl import experiment
 

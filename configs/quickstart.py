@@ -32,7 +32,7 @@ def get_config():
   c.partition = 'dirichlet'
   c.alpha = 0.5
   c.algorithm = 'fedavg'
-  # SimCLR learns much faster than BYOL on this tiny budget (BUILD_NOTES.md "Is it our BYOL?").
+  # SimCLR learns much faster than BYOL on this tiny budget (docs/notes/fedssl.md#is-it-our-byol).
   c.ssl_method = 'simclr'
   c.temperature = 0.2         # 0.3: same result (standardised probe 0.8133 vs 0.8141)
   # 84-d Tanh feature layer after global average pooling: random-init features are weak, unlike
@@ -40,7 +40,7 @@ def get_config():
   c.encoder = 'lenet5'
   c.heads = 'custom'          # projector 84-256(BN)-128 (SimCLR uses no predictor)
   # FedSC's crop (scale 0.2-1): EasyFL's 0.08-1 crops of 28x28 images threw the object away
-  # (BUILD_NOTES.md "Quickstart"); a milder 0.64-1 crop makes the SimCLR task too easy.
+  # (docs/notes/fedssl.md#quickstart); a milder 0.64-1 crop makes the SimCLR task too easy.
   c.augmentation = 'fedsc'
   c.train_size = 20000        # first 20k training images (CPU budget); the test split stays whole
   c.rounds = 25

@@ -45,7 +45,7 @@ client, SGD with momentum) runs
 Augmentations (--augmentations): `byol_easyfl` (on-device SimCLR-style augmentation, the papers'
 setting) and `flip` = model compute: the views differ only by a random horizontal flip, as PyTorch's
 two pre-made tensors differ. Not 'none': with identical views XLA computes the model once for both
-views (BUILD_NOTES, "Scan vs top-level step"), half the work PyTorch does.
+views (docs/notes/performance.md#scan-vs-step), half the work PyTorch does.
 All JAX variants compute the same numbers (tests/core/test_round_equivalence.py). Every variant first runs
 one warm-up round; then the timed rounds are interleaved across variants (round r of each variant,
 then round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
@@ -67,18 +67,30 @@ import time
 from typing import Any, Dict, List, Tuple
 
 from absl import flags
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment
-from fedjax_ssl.algorithms import fedavg
-from fedjax_ssl.algorithms.base import restore_client
-from fedjax_ssl.core import rng, strategies
-from fedjax_ssl.data import augment, partition
-from fedjax_ssl.core import round as rd
-from fedjax_ssl.data.types import Dataset, FedData
+# First thing, before anything runs on JAX: glibc's malloc keeps freed memory from here on, so that
+# repeated XLA:CPU executions reuse their temporaries instead of page-faulting fresh ones every call
+# (fedjax_ssl/core/host_memory.py; FEDJAX_SSL_MALLOC=system keeps glibc's defaults). mallopt governs
+# later allocations only; importing jax (which fedjax_ssl.core does) creates none of XLA's buffers.
+# Only as a program: importing this module (tests) changes nothing.
+from fedjax_ssl.core import host_memory
+
+if __name__ == '__main__':
+  host_memory.keep_freed_memory()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fedjax_ssl import config_validation as cv  # noqa: E402
+from fedjax_ssl import experiment  # noqa: E402
+from fedjax_ssl.algorithms import fedavg, ssl_client  # noqa: E402
+from fedjax_ssl.core.algorithm import restore_client  # noqa: E402
+from fedjax_ssl.core import baselines, rng, strategies  # noqa: E402
+from fedjax_ssl.data import augment, partition  # noqa: E402
+from fedjax_ssl.data.types import DataInfo  # noqa: E402
+from fedjax_ssl.core import round as rd  # noqa: E402
+from fedjax_ssl.data.types import Dataset, FedData  # noqa: E402
 
 _SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale'],
                              'Which round to time (module docstring).')
@@ -254,11 +266,11 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   rcfg = experiment.round_config(config)
   if variant == 'map_whole_state':
     # The stateful twin: every client's whole state stored, as before stateless clients.
-    algo = fedavg.make(experiment.client_spec(config, ds), stateless=False)
+    algo = fedavg.make(ssl_client.spec_from_config(config, DataInfo.of(ds)), stateless=False)
   if variant == 'stepwise':
-    step = rd.make_stepwise_round_step(algo, rcfg, num_clients)
+    step = baselines.make_stepwise_round_step(algo, rcfg, num_clients)
   elif variant == 'sequential':
-    step = rd.make_sequential_round_step(algo, rcfg, num_clients)
+    step = baselines.make_sequential_round_step(algo, rcfg, num_clients)
   else:
     step = rd.make_round_step(algo, rcfg, num_clients)
   p = dict(step=step, state=rd.init_state(algo, jax.random.PRNGKey(0), num_clients), fed=fed,

@@ -7,7 +7,7 @@ the run's checkpoints (read-only: safe next to a running job; the latest round u
 prints the linear-probe accuracy of both encoders as JSON (also written to
 DIR/reprobe_<epochs>ep[_std].json). Without flags it re-runs the run's own probe protocol and
 reproduces its final probe accuracy (tests/experiments/test_train_binary.py). Use it to check that a margin over
-random features survives a stronger probe (BUILD_NOTES.md, "Quickstart"). Library logs go to
+random features survives a stronger probe (docs/notes/fedssl.md#quickstart). Library logs go to
 DIR/reprobe.log (warnings also to the console); a config error is one `error: ...` line on stderr.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pathlib
 from absl import flags
 import ml_collections
 
-from fedjax_ssl import checkpoint, experiment, logging_utils
+from fedjax_ssl import checkpoint, configuration, experiment, logging_utils
+from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
 
@@ -36,10 +37,10 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
     config.probe_epochs = probe_epochs
   config.probe_standardize = standardize
   experiment.validate_config(config)
-  known_before_loading = experiment.dataset_info(config) is not None
+  known_before_loading = configuration.dataset_info(config) is not None
   dataset = experiment.load_data(config)
   if not known_before_loading:
-    experiment.check_data_config(config, experiment.DatasetInfo.of(dataset))
+    configuration.check_data_config(config, DatasetInfo.of(dataset))
   # The run's client sizes: FedSC's privacy plan (and so its algorithm) depends on them.
   sizes = experiment.build_fed_data(config, dataset)[0].n
   algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)

@@ -1,6 +1,6 @@
 r"""Reproduce a results table: every cell x seed through the training binary's code path.
 
-  python -m experiments.reproduce --table configs/tables/fedssl_fmnist.py --out DIR \
+  python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR \
       [--seeds 0,1,2] [--scale quick|paper] [--only CELL_PATTERN ...]
 
 Each distinct (config, seed) is one run of `experiments.train.train_and_evaluate` in
@@ -22,14 +22,25 @@ import sys
 import traceback
 
 from absl import app, flags
-import jax
-import tqdm
 
-from fedjax_ssl import config_validation as cv
-from fedjax_ssl import logging_utils
-from fedjax_ssl import reproduce
+# First thing, before anything runs on JAX: glibc's malloc keeps freed memory from here on, so that
+# repeated XLA:CPU executions reuse their temporaries instead of page-faulting fresh ones every call
+# (fedjax_ssl/core/host_memory.py; FEDJAX_SSL_MALLOC=system keeps glibc's defaults). mallopt governs
+# later allocations only; importing jax (which fedjax_ssl.core does) creates none of XLA's buffers.
+# Only as a program: importing this module (tests) changes nothing.
+from fedjax_ssl.core import host_memory
 
-_TABLE = flags.DEFINE_string('table', None, 'Table file (configs/tables/<name>.py).')
+if __name__ == '__main__':
+  host_memory.keep_freed_memory()
+
+import jax  # noqa: E402
+import tqdm  # noqa: E402
+
+from fedjax_ssl import config_validation as cv  # noqa: E402
+from fedjax_ssl import logging_utils  # noqa: E402
+from fedjax_ssl import reproduce  # noqa: E402
+
+_TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>.py).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Comma-separated integer seeds.')
 _SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES),

@@ -36,15 +36,27 @@ import pathlib
 import time
 
 from absl import app, flags
-import jax
-import numpy as np
-from ml_collections import config_flags
 
-from fedjax_ssl import checkpoint, experiment, logging_utils, plotting
-from fedjax_ssl import config_validation as cv
-from fedjax_ssl.core import rng, strategies
-from fedjax_ssl.core import round as rd
-from fedjax_ssl.data import partition
+# First thing, before anything runs on JAX: glibc's malloc keeps freed memory from here on, so that
+# repeated XLA:CPU executions reuse their temporaries instead of page-faulting fresh ones every call
+# (fedjax_ssl/core/host_memory.py; FEDJAX_SSL_MALLOC=system keeps glibc's defaults). mallopt governs
+# later allocations only; importing jax (which fedjax_ssl.core does) creates none of XLA's buffers.
+# Only as a program: importing this module (tests, experiments.reproduce) changes nothing.
+from fedjax_ssl.core import host_memory
+
+if __name__ == '__main__':
+  host_memory.keep_freed_memory()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from fedjax_ssl import checkpoint, configuration, experiment, logging_utils, plotting  # noqa: E402
+from fedjax_ssl.data.info import DatasetInfo  # noqa: E402
+from fedjax_ssl import config_validation as cv  # noqa: E402
+from fedjax_ssl.core import rng, strategies  # noqa: E402
+from fedjax_ssl.core import round as rd  # noqa: E402
+from fedjax_ssl.data import partition  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
                                           lock_config=True)
@@ -117,20 +129,17 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
     logging_utils.say(message, echo=verbose)
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
                     echo=False)
-  known_before_loading = experiment.dataset_info(config) is not None
+  known_before_loading = configuration.dataset_info(config) is not None
   dataset = experiment.load_data(config)
   if not known_before_loading:  # validate_config could not check the sizes: check them now
-    experiment.check_data_config(config, experiment.DatasetInfo.of(dataset))
+    configuration.check_data_config(config, DatasetInfo.of(dataset))
   fed_data, info = experiment.build_fed_data(config, dataset)
   say(_data_summary(config, dataset) + '\n' +
       partition.format_histogram(info['histogram']))
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
-  privacy_summary = experiment.privacy_plan(config, np.asarray(fed_data.n))[2]
-  if privacy_summary:
-    say(f'DP-CalR: sigma {privacy_summary["sigma"]:.4g}, planned epsilon '
-        f'{privacy_summary["planned_epsilon"]:.3f} (delta {privacy_summary["delta"]}, '
-        f'{privacy_summary["accountant"]}, {privacy_summary["adjacency"]}, up to '
-        f'{privacy_summary["planned_shares_max"]} shares per client)')
+  plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
+  if plan is not None:
+    say(plan.text)
   round_cfg = experiment.round_config(config)
   round_step = rd.make_round_step(algo, round_cfg, config.num_clients)
   devices = jax.device_count()
@@ -230,8 +239,8 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
-  if privacy_summary:
-    results['privacy'] = dict(privacy_summary, epsilon=final['epsilon'])
+  if plan is not None:
+    results[plan.key] = dict(plan.summary, **{k: final[k] for k in plan.final_metrics})
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
   results['communication'] = _communication(algo, config, per_participant, records)
   _write_json(workdir / 'results.json', results)

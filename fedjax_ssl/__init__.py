@@ -9,11 +9,12 @@
   state = fs.core.init_state(algo, jax.random.PRNGKey(0), config.num_clients)
   for r in range(config.rounds):
     state, metrics = round_step(state, fed_data, fs.core.round_key(root_key, r))
+
+Importing the package changes nothing process-wide. The binaries (experiments/train.py,
+benchmark.py, reproduce.py) tune glibc's malloc first thing with
+`fs.core.host_memory.keep_freed_memory()`, so that repeated XLA:CPU executions reuse freed
+temporaries (FEDJAX_SSL_MALLOC=system keeps glibc's defaults); a program of your own can call it
+likewise, before it runs anything on JAX.
 """
-from fedjax_ssl.core import host_memory as _host_memory
-
-# Before anything allocates: XLA:CPU executions then reuse freed temporaries instead of page-faulting
-# fresh ones on every call (core/host_memory.py; FEDJAX_SSL_MALLOC=system keeps glibc's defaults).
-_host_memory.keep_freed_memory()
-
-from fedjax_ssl import algorithms, core, data, eval, experiment, models, ssl  # noqa: E402,F401
+from fedjax_ssl import algorithms, core, data, eval, experiment, models, ssl  # noqa: F401
+from fedjax_ssl.core import host_memory  # noqa: F401  (fs.core.host_memory; applies nothing)

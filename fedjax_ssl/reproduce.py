@@ -1,11 +1,11 @@
 """Result tables: a grid of runs (rows x columns -> config overrides) over seeds, summarised next to
 the paper's numbers.
 
-A table file (configs/tables/<name>.py) defines `get_table(scale) -> Table`. `experiments.reproduce`
+A table file (configs/<paper>/<table>.py) defines `get_table(scale) -> Table`. `experiments.reproduce`
 turns it into runs, one workdir per distinct config and seed, and this module turns the runs'
 `results.json` into `table.csv`, `table.md` and `table.png`:
 
-  table = reproduce.load_table('configs/tables/fedssl_fmnist.py', 'quick')
+  table = reproduce.load_table('configs/fedssl/fmnist.py', 'quick')
   runs = reproduce.plan_runs(table, seeds=(0, 1, 2))      # every config validated, nothing computed
   ... run each RunSpec through experiments.train.train_and_evaluate(run.config, run.workdir(out))
   summary = reproduce.summarize(table, runs, out)
@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment
+from fedjax_ssl import algorithms, experiment
 
 SCALES = ('quick', 'paper')
 
@@ -144,7 +144,7 @@ def load_table(path: str, scale: str) -> Table:
   file = pathlib.Path(path)
   if not file.is_file():
     raise cv.ConfigError(f'--table = {path!r}: no such file')
-  spec = importlib.util.spec_from_file_location(f'_table_{slug(file.stem)}', file)
+  spec = importlib.util.spec_from_file_location(f'_table_{slug(file.parent.name)}_{slug(file.stem)}', file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, 'get_table'):
@@ -182,15 +182,11 @@ def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collection
 
 
 # Keys a config ignores given its other values: left out of the key that decides whether two cells
-# share a run (centralized training under the IID and the Dirichlet column is the same run).
+# share a run (centralized training under the IID and the Dirichlet column is the same run). The
+# config blocks of the algorithms not configured are left out too.
 _UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
-    'fedu2': lambda c: c.algorithm != 'fedu2',
-    'fedsc': lambda c: c.algorithm != 'fedsc',
-    'hetero_ssfl': lambda c: c.algorithm != 'hetero_ssfl',
-    'repshare': lambda c: c.algorithm != 'repshare',
-    'fd': lambda c: c.algorithm != 'fd',
     'sc_mu': lambda c: c.ssl_method != 'sc',
 }
 
@@ -201,6 +197,9 @@ def run_key(config: ml_collections.ConfigDict) -> str:
   for key, unused in _UNUSED_WHEN.items():
     if key in d and unused(config):
       del d[key]
+  for name in algorithms.names():
+    if name != config.algorithm:
+      d.pop(name, None)
   return json.dumps(d, sort_keys=True, default=str)
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_ssl.algorithms.base import LocalData
+from fedjax_ssl.core.algorithm import LocalData
 from fedjax_ssl.core import rng
 from fedjax_ssl.core.round import sample_participants
 from fedjax_ssl.ops import min_norm

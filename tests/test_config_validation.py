@@ -10,10 +10,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from fedjax_ssl import experiment
+from fedjax_ssl import configuration, experiment
 from fedjax_ssl.config_validation import (ConfigError, check_choice, check_float_range,
                                           check_int_range, check_known_keys, check_positive,
                                           error_line, unknown_override)
+from fedjax_ssl.data import info as data_info
 from fedjax_ssl.data import sources
 
 
@@ -201,9 +202,9 @@ def test_classes_shard_mode_needs_a_multiple_of_the_classes():
 
 
 def test_encoder_vs_input_shape():
-  info = experiment.DatasetInfo('tiny', 500, 100, (8, 8, 1), 10)
+  info = data_info.DatasetInfo('tiny', 500, 100, (8, 8, 1), 10)
   with pytest.raises(ConfigError) as e:
-    experiment.check_data_config(_cfg(encoder='hetero_cnn', knn_k=10), info)
+    configuration.check_data_config(_cfg(encoder='hetero_cnn', knn_k=10), info)
   message = str(e.value)
   assert re.match(r"^config\.encoder = 'hetero_cnn' is invalid for the 8x8x1 images of tiny \("
                   r"max_pool window 2 larger than the input 0x0\); encoders that take them: \[",
@@ -211,8 +212,8 @@ def test_encoder_vs_input_shape():
   fits = eval(message.split('encoders that take them: ')[1])  # pylint: disable=eval-used
   assert 'small_cnn' in fits and 'hetero_cnn' not in fits and 'resnet9' not in fits
   with pytest.raises(ConfigError, match=r"^config.encoder = 'resnet9' is invalid for the 8x8x1"):
-    experiment.check_data_config(_cfg(encoder='resnet9', knn_k=10), info)
-  experiment.check_data_config(_cfg(encoder='small_cnn', knn_k=10), info)
+    configuration.check_data_config(_cfg(encoder='resnet9', knn_k=10), info)
+  configuration.check_data_config(_cfg(encoder='small_cnn', knn_k=10), info)
   for encoder in ('resnet18', 'lenet5', 'hetero_cnn'):  # every catalog image size fits them
     experiment.validate_config(_cfg(encoder=encoder, dataset='fashion_mnist_subset'))
 
@@ -276,10 +277,10 @@ def _write_idx(path, array, gz):
 
 
 def test_dataset_info_reads_only_file_headers(tmp_path):
-  assert experiment.dataset_info(_cfg(dataset='fashion_mnist_subset')) == experiment.DatasetInfo(
+  assert configuration.dataset_info(_cfg(dataset='fashion_mnist_subset')) == data_info.DatasetInfo(
       'fashion_mnist_subset', 3000, 1000, (28, 28, 1), 10)
-  assert experiment.dataset_info(_cfg(dataset='cifar100', data_source='tfds')) == \
-      experiment.CATALOG_INFO['cifar100']
+  assert configuration.dataset_info(_cfg(dataset='cifar100', data_source='tfds')) == \
+      data_info.CATALOG_INFO['cifar100']
   # IDX files in data_dir (one gzipped, one not): their headers give the sizes.
   for key, n, gz in (('train_x', 7, True), ('test_x', 3, False)):
     _write_idx(tmp_path / (sources.IDX_FILES[key] + ('.gz' if gz else '')),
@@ -287,14 +288,14 @@ def test_dataset_info_reads_only_file_headers(tmp_path):
   for key, n in (('train_y', 7), ('test_y', 3)):
     _write_idx(tmp_path / sources.IDX_FILES[key], np.zeros((n,)), False)
   config = _cfg(dataset='mnist', data_dir=str(tmp_path))
-  assert experiment.dataset_info(config) == experiment.DatasetInfo('mnist', 7, 3, (28, 28, 1), 10)
+  assert configuration.dataset_info(config) == data_info.DatasetInfo('mnist', 7, 3, (28, 28, 1), 10)
   _raises(lambda: experiment.validate_config(config),
           "config.num_clients = 10 is invalid: 7 training examples (all of the mnist training "
           "split) cannot give every client at least 2 examples (config.partition = 'dirichlet'); "
           "must be <= 3")
   # A file that is not an npz: unknown before loading (load_data reports it).
   (tmp_path / 'bad.npz').write_text('not a zip')
-  assert experiment.dataset_info(_cfg(dataset='fashion_mnist_subset',
+  assert configuration.dataset_info(_cfg(dataset='fashion_mnist_subset',
                                       data_dir=str(tmp_path / 'bad.npz'))) is None
 
 

@@ -6,7 +6,7 @@ per program; expected 1 everywhere, observed {'top-level': 1, 'scan': 1, 'cond':
 
 In fedjax_ssl this made a FedBYOL step with augmentation 'none' (two identical views, each
 normalised with its own `jnp.asarray(mean)` constant) cost half as much at top level as inside the
-engine's old scan + masking cond (BUILD_NOTES, "Scan vs top-level step").
+engine's old scan + masking cond (docs/notes/performance.md#scan-vs-step).
 
   python docs/repro/xla_cond_cse.py
 """

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, repshare, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import fedavg, registry, repshare, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, Prepare
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import prototypes
 from fedjax_ssl.ssl import losses
 
@@ -96,12 +99,42 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
 
   return Algorithm(
       name='fd', init=init, broadcast=lambda server: server, begin=begin, local_step=local_step,
-      end=lambda start, client, msg: client,
+     
       upload=lambda client, msg, local: summarize(client, local),
       aggregate=lambda server, payloads, weights, ids: repshare.store_uploads(server, payloads, ids),
       eval_variables=lambda state: (repshare.variables_of(state.clients), True),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
-      personalized=True, prepare=prepare, personalize=personalize, prepare_reads_clients=True,
-      prepare_upload_bytes=prepare_upload_bytes)
+      personalized=True, personalize=personalize,
+      prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes, reads_clients=True))
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """Federated distillation's keys, `config.fd` (Jeong et al.; docs/notes/repshare.md)."""
+  f = ml_collections.ConfigDict()
+  f.weight = 1.0                  # distillation weight
+  f.temperature = 1.0
+  f.upload_batch = 500            # images per eval forward when averaging logits (memory only)
+  return f
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  """The relay's rules and the ranges of `config.fd`."""
+  del dataset_info
+  repshare.validate_relay(config)
+  cv.check_float_range('fd.weight', config.fd.weight, 0.0, None)
+  cv.check_float_range('fd.temperature', config.fd.temperature, 0.0, None, inclusive=(False, True))
+  cv.check_int_range('fd.upload_batch', config.fd.upload_batch, 1, 10_000_000)
+  registry.check_clients_on_device(config)
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  return make(ssl_client.spec_from_config(config, info), num_classes=info.num_classes,
+              weight=config.fd.weight, temperature=config.fd.temperature,
+              upload_batch=config.fd.upload_batch)
+
+
+registry.register('fd', build, defaults=config_block, validate=validate, methods=('supervised',),
+                  methods_note='it trains classifiers',
+                  doc='federated distillation: per-class mean logits through the relay')

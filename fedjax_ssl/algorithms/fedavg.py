@@ -1,7 +1,7 @@
 """FedAvg over an SSL (or supervised) client: FedBYOL, FedSimSiam, FedSimCLR, supervised FedAvg, and
 centralized training (one client holding all data).
 
-Per round (EasyFL `fedssl`; BUILD_NOTES.md "Algorithms"): every participant adopts the global online
+Per round (EasyFL `fedssl`; docs/notes/fedssl.md#algorithms): every participant adopts the global online
 network (encoder + projector + predictor, with their BatchNorm statistics), trains E local epochs,
 uploads its online network, and the server replaces the global network by the data-size-weighted mean
 (BatchNorm running statistics included, as EasyFL / FedSC average the whole state dict).
@@ -15,9 +15,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, Stateless, keep_trained, replicate, weighted_mean
+from fedjax_ssl.data.types import DataInfo
 
 BYOL_TARGET_SYNC = ('keep', 'reset')
 
@@ -69,7 +72,7 @@ def classifier_apply(spec: ssl_client.ClientSpec):
 
 
 def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begin,
-                           end=lambda start, client, msg: client) -> Algorithm:
+                           end=keep_trained) -> Algorithm:
   """An algorithm whose server keeps the data-weighted mean of the participants' online networks
   and evaluates that global model (FedAvg, FedU, FedEMA differ only in init / begin / end)."""
   return Algorithm(
@@ -162,5 +165,29 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
     client = ssl_client.init_client(spec, key)
     return replicate(persist(client), num_clients), shared_subset(spec, client)
 
-  return dataclasses.replace(algo, init=init, persist=persist,
-                             restore=lambda stored, msg: rebuild_client(spec, stored, msg))
+  return dataclasses.replace(
+      algo, init=init,
+      stateless=Stateless(persist, lambda stored, msg: rebuild_client(spec, stored, msg)))
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  """FedAvg over the configured SSL (or supervised) client."""
+  return make(ssl_client.spec_from_config(config, info), byol_target_sync=config.byol_target_sync)
+
+
+def build_centralized(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  """Centralized training: FedAvg with one client that holds all the data."""
+  return make(ssl_client.spec_from_config(config, info), byol_target_sync=config.byol_target_sync,
+              name='centralized')
+
+
+def validate_centralized(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  del dataset_info
+  if config.num_clients != 1:
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for algorithm '
+                         f"'centralized': it must be 1 (all data on one client)")
+
+
+registry.register('fedavg', build, doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
+registry.register('centralized', build_centralized, validate=validate_centralized,
+                  doc='one client holding all the data')

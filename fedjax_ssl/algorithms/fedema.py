@@ -1,4 +1,4 @@
-"""FedEMA (Zhuang et al., ICLR 2022, arXiv:2204.04385) as in EasyFL (BUILD_NOTES.md "Algorithms").
+"""FedEMA (Zhuang et al., ICLR 2022, arXiv:2204.04385) as in EasyFL (docs/notes/fedssl.md#algorithms).
 
 At every participation after the first, with d the divergence of the client's previous local training
 and lambda_k its auto-scaler:
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
 METHODS = ('byol', 'simsiam')
@@ -70,3 +73,23 @@ def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorit
     return dict(client, extras=dict(client['extras'], divergence=d, scaler=scaler))
 
   return fedavg.global_model_algorithm(spec, name='fedema', init=init, begin=begin, end=end)
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """FedEMA's keys, `config.fedema`."""
+  return ml_collections.ConfigDict({'autoscaler_tau': 0.7})
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  del dataset_info
+  cv.check_float_range('fedema.autoscaler_tau', config.fedema.autoscaler_tau, 0.0, None,
+                       inclusive=(False, True))
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  return make(ssl_client.spec_from_config(config, info),
+              autoscaler_tau=config.fedema.autoscaler_tau)
+
+
+registry.register('fedema', build, defaults=config_block, validate=validate, methods=METHODS,
+                  methods_note='needs a predictor', doc='FedEMA, divergence-scaled EMA update')

@@ -2,7 +2,7 @@
 Objective over Non-i.i.d. Data", ICML 2024): spectral contrastive local training with an
 inter-client term built from the other clients' shared, optionally DP-noised, correlation matrices.
 
-Round t (1-indexed; decisions in BUILD_NOTES "FedSC"):
+Round t (1-indexed; decisions in docs/notes/fedsc.md):
   prepare      if t is a share round, the uploaders (every client at the first share round, as
                Alg. 1's t = 1 branch; the round's participants afterwards) compute DP-CalR (Alg. 2)
                on the global model: `calr_views` augmented views of each of their examples through
@@ -18,16 +18,21 @@ FedAvg+SC is `share=False`: the same loop without matrices (alpha = 1).
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, replicate, weighted_mean
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, Prepare, replicate, weighted_mean
 from fedjax_ssl.core import comm, rng
+from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import correlation, privacy
 
 SHARE_WEIGHTS = ('uniform', 'data')
@@ -214,12 +219,180 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
   return Algorithm(
       name='fedsc' if share else 'fedavg_sc', init=init,
       broadcast=lambda server: server if share else {'model': server['model']},
-      begin=begin, local_step=local_step, end=lambda start, client, msg: client,
+      begin=begin, local_step=local_step,
       upload=lambda client, msg, local: fedavg.shared_subset(spec, client), aggregate=aggregate,
       eval_variables=lambda state: (state.server['model'], False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
-      prepare=prepare if share else None, personalize=personalize if share else None,
+      prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes) if share else None,
+      personalize=personalize if share else None,
       host_metrics=host_metrics if (share and ledger is not None) else None,
-      prepare_upload_bytes=prepare_upload_bytes if share else None,
       ragged_batches=True)
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """FedSC's keys, `config.fedsc`; defaults follow the decisions in docs/notes/fedsc.md."""
+  f = ml_collections.ConfigDict()
+  f.share = True                  # False: FedAvg+SC (no correlation matrices, alpha = 1)
+  f.share_start = 0               # share in round t (1-indexed) iff t > share_start ...
+  f.share_every = 1               # ... and t % share_every == 0 (Table 6: 100/1, 150/1, 100/2)
+  f.alpha_schedule = 'linear'     # linear alpha_start -> alpha_end (App. C) | q (alpha_j = q_j, Eq. 5)
+  f.alpha_start = 1.0
+  f.alpha_end = 0.2
+  f.matrix_weights = 'uniform'    # q_j of R̃: uniform 1/J (code) | data |D_j|/|D| (paper)
+  f.model_weights = 'uniform'     # model average over participants: uniform (Alg. 1) | data
+  f.calr_views = 10               # DP-CalR views per example (code: 5 passes x 2)
+  f.calr_batch = 256              # DP-CalR examples per forward pass (memory only)
+  f.paper_scale = False           # True: the paper's 1/2-scaled loss (code scale = 2x, A3)
+  # Differential privacy of the uploaded matrices (DP-CalR).
+  f.dp = False
+  f.sigma = 0.0                   # noise std; 0 with dp = calibrate to target_epsilon
+  f.target_epsilon = 0.0          # > 0: refuse a run whose ledger would exceed it
+  f.delta = 1e-2
+  f.adjacency = 'replace_one'     # replace_one sqrt(2) mu/|D_j| | zero_out mu/|D_j| (paper proof)
+  f.accountant = 'rdp'            # rdp (dp-accounting) | closed_form (paper Prop. 6.6)
+  f.sigma_partial = 'none'        # sigma under partial participation: none | linear (code) | sqrt
+  return f
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  """Ranges, choices and the share / privacy rules of `config.fedsc` (ConfigError)."""
+  del dataset_info
+  f = config.fedsc
+  if f.share and config.num_clients < 2:
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for FedSC with '
+                         'fedsc.share = True: R̃_{-j} needs at least 2 clients')
+  cv.check_choice('fedsc.alpha_schedule', f.alpha_schedule, ALPHA_SCHEDULES)
+  cv.check_choice('fedsc.matrix_weights', f.matrix_weights, SHARE_WEIGHTS)
+  cv.check_choice('fedsc.model_weights', f.model_weights, SHARE_WEIGHTS)
+  cv.check_choice('fedsc.adjacency', f.adjacency, privacy.ADJACENCIES)
+  cv.check_choice('fedsc.accountant', f.accountant, privacy.ACCOUNTANTS)
+  cv.check_choice('fedsc.sigma_partial', f.sigma_partial, privacy.PARTIAL_RULES)
+  cv.check_int_range('fedsc.share_start', f.share_start, 0, None)
+  cv.check_int_range('fedsc.share_every', f.share_every, 1, None)
+  cv.check_int_range('fedsc.calr_views', f.calr_views, 1, 10_000)
+  cv.check_int_range('fedsc.calr_batch', f.calr_batch, 1, 10_000_000)
+  for key in ('alpha_start', 'alpha_end'):
+    cv.check_float_range(f'fedsc.{key}', f[key], 0.0, 1.0)
+  cv.check_float_range('fedsc.sigma', f.sigma, 0.0, None)
+  cv.check_float_range('fedsc.target_epsilon', f.target_epsilon, 0.0, None)
+  cv.check_float_range('fedsc.delta', f.delta, 0.0, 1.0, inclusive=(False, False))
+  if f.share and not np.any(is_share_round(np.arange(1, config.rounds + 1), f.share_start,
+                                                  f.share_every)):
+    raise cv.ConfigError(f'config.fedsc.share_start = {f.share_start} / share_every = '
+                         f'{f.share_every} leave no share round in {config.rounds} rounds: the run '
+                         'would be FedAvg+SC; set fedsc.share = False for that')
+  if f.dp and f.sigma == 0 and f.sigma_partial != 'none':
+    raise cv.ConfigError(f'config.fedsc.sigma_partial = {f.sigma_partial!r} is invalid when sigma is '
+                         "calibrated (fedsc.sigma = 0): the calibration already uses each client's "
+                         "exact shares; use 'none'")
+  if f.dp and not f.share:
+    raise cv.ConfigError('config.fedsc.dp = True is invalid with fedsc.share = False: DP-CalR '
+                         'noises the shared matrices, and nothing is shared')
+  if f.dp and not config.sc_mu > 0:
+    raise cv.ConfigError(f'config.sc_mu = {config.sc_mu!r} is invalid with fedsc.dp = True: the '
+                         'sensitivity of a matrix is bounded only through NormClip, need sc_mu > 0')
+  if f.dp and f.sigma == 0 and f.target_epsilon == 0:
+    raise cv.ConfigError('config.fedsc.dp = True needs fedsc.sigma > 0 (a noise level) or '
+                         'fedsc.target_epsilon > 0 (sigma calibrated to it); both are 0')
+  if not f.dp and (f.sigma or f.target_epsilon):
+    raise cv.ConfigError(f'config.fedsc.sigma = {f.sigma!r} / fedsc.target_epsilon = '
+                         f'{f.target_epsilon!r} are set but fedsc.dp = False: set fedsc.dp = True '
+                         'or leave both 0')
+
+
+def planned_shares(config: ml_collections.ConfigDict) -> np.ndarray:
+  """int [J]: how many matrices each client will upload in the whole run (FedSC).
+
+  Participants are a pure function of the run key, so the share count of every client is known
+  before training: everyone at the first share round, then the sampled clients of each later
+  share round. The privacy check and calibration use these exact counts, not an expectation.
+  """
+  f, num_clients = config.fedsc, config.num_clients
+  t = np.arange(1, config.rounds + 1)
+  share = np.asarray(is_share_round(t, f.share_start, f.share_every))
+  counts = np.zeros(num_clients, np.int64)
+  if not share.any():
+    return counts
+  first = int(np.argmax(share))
+  counts += 1
+  later = np.flatnonzero(share[first + 1:]) + first + 1
+  if len(later):
+    run_key = rng.run_keys(config.seed)[1]
+    ids = jax.vmap(lambda r: rd.sample_participants(rng.round_key(run_key, r), num_clients,
+                                                    config.clients_per_round))(jnp.asarray(later))
+    np.add.at(counts, np.asarray(ids).ravel(), 1)
+  return counts
+
+
+def privacy_plan(config: ml_collections.ConfigDict, client_sizes: np.ndarray
+                 ) -> Tuple[float, Optional[privacy.PrivacyLedger], Dict[str, Any]]:
+  """FedSC's noise level, its ledger and the run's planned privacy, before any training.
+
+  sigma = fedsc.sigma (scaled by fedsc.sigma_partial under partial participation) or, when it is
+  0, the smallest sigma whose planned epsilon meets fedsc.target_epsilon for every client. Raises
+  ConfigError when a target is set and the schedule cannot meet it with the given sigma.
+
+  Returns:
+    (sigma, ledger or None without DP, summary dict for results.json).
+  """
+  f = config.fedsc
+  if not (f.share and f.dp):
+    return 0.0, None, {}
+  sizes = np.asarray(client_sizes)
+  shares = planned_shares(config)
+  sens = [privacy.sensitivity(config.sc_mu, int(n), f.adjacency) for n in sizes]
+  if f.sigma > 0:
+    sigma = privacy.sigma_for_participation(f.sigma, config.clients_per_round, config.num_clients,
+                                            f.sigma_partial)
+  else:
+    sigma = max(privacy.calibrate_sigma(f.target_epsilon, f.delta, w, int(s), f.accountant)
+                for w, s in zip(sens, shares))
+  ledger = privacy.PrivacyLedger(sizes, config.sc_mu, sigma, f.delta, f.adjacency, f.accountant)
+  planned = ledger.max_epsilon(shares)
+  if f.target_epsilon > 0 and planned > f.target_epsilon:
+    raise cv.ConfigError(
+        f'config.fedsc.target_epsilon = {f.target_epsilon!r} cannot be met: with fedsc.sigma = '
+        f'{f.sigma!r} (sigma_partial {f.sigma_partial!r} -> {sigma:.4g}), the schedule '
+        f'(share_start {f.share_start}, share_every {f.share_every}, {config.rounds} rounds, '
+        f'{config.clients_per_round}/{config.num_clients} clients per round) makes a client share '
+        f'up to {int(shares.max())} times, and the {f.accountant} ledger (delta {f.delta}, '
+        f'{f.adjacency}, |D_j| >= {int(sizes.min())}) gives epsilon = {planned:.3f}. Raise '
+        'fedsc.sigma, share less, or set fedsc.sigma = 0 to calibrate it to the target')
+  summary = {'sigma': sigma, 'planned_epsilon': planned, 'planned_shares_max': int(shares.max()),
+             'delta': f.delta, 'adjacency': f.adjacency, 'accountant': f.accountant}
+  return sigma, ledger, summary
+
+
+def plan(config: ml_collections.ConfigDict, info: DataInfo) -> Optional[registry.Plan]:
+  """The privacy plan of a DP run (None without DP)."""
+  sigma, ledger, summary = privacy_plan(config, info.client_sizes)
+  del sigma
+  if ledger is None:
+    return None
+  text = (f'DP-CalR: sigma {summary["sigma"]:.4g}, planned epsilon {summary["planned_epsilon"]:.3f} '
+          f'(delta {summary["delta"]}, {summary["accountant"]}, {summary["adjacency"]}, up to '
+          f'{summary["planned_shares_max"]} shares per client)')
+  return registry.Plan('privacy', summary, text, final_metrics=('epsilon',))
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  """FedSC (or FedAvg+SC with fedsc.share = False). With DP, `info.client_sizes` is required (the
+  noise level and the ledger depend on |D_j|); ConfigError if the privacy target cannot be met."""
+  f = config.fedsc
+  if f.share and f.dp and info.client_sizes is None:
+    raise ValueError('FedSC with fedsc.dp = True needs DataInfo.client_sizes (fed_data.n) for its '
+                     'ledger')
+  spec = dataclasses.replace(ssl_client.spec_from_config(config, info),
+                             sc_scale=0.5 if f.paper_scale else 1.0)
+  sigma, ledger, _ = privacy_plan(config, info.client_sizes)
+  return make(spec, num_rounds=config.rounds, share=f.share, share_start=f.share_start,
+              share_every=f.share_every, alpha_schedule=f.alpha_schedule,
+              alpha_start=f.alpha_start, alpha_end=f.alpha_end, matrix_weights=f.matrix_weights,
+              model_weights=f.model_weights, sigma=sigma, calr_views=f.calr_views,
+              calr_batch=f.calr_batch, mu=float(config.sc_mu) or None, ledger=ledger)
+
+
+registry.register('fedsc', build, defaults=config_block, validate=validate, methods=('sc',),
+                  methods_note='the spectral contrastive loss', plan=plan,
+                  doc='spectral contrastive learning with shared correlation matrices')

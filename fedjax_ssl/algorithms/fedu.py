@@ -1,4 +1,4 @@
-"""FedU (Zhuang et al., ICCV 2021, arXiv:2108.06492) as in EasyFL (BUILD_NOTES.md "Algorithms").
+"""FedU (Zhuang et al., ICCV 2021, arXiv:2108.06492) as in EasyFL (docs/notes/fedssl.md#algorithms).
 
 Each participant adopts the global online encoder + projector. Its predictor follows the
 divergence-aware predictor update (DAPU): the global predictor if the divergence measured after its
@@ -9,9 +9,12 @@ The BYOL target stays local. At a client's first participation everything comes 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
 METHODS = ('byol', 'simsiam')
@@ -45,3 +48,22 @@ def make(spec: ssl_client.ClientSpec, *, dapu_threshold: float = 0.4) -> Algorit
     return dict(client, extras=dict(client['extras'], divergence=d))
 
   return fedavg.global_model_algorithm(spec, name='fedu', init=init, begin=begin, end=end)
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """FedU's keys, `config.fedu`."""
+  return ml_collections.ConfigDict({'dapu_threshold': 0.4})
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  del dataset_info
+  cv.check_float_range('fedu.dapu_threshold', config.fedu.dapu_threshold, 0.0, None,
+                       inclusive=(False, True))
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  return make(ssl_client.spec_from_config(config, info), dapu_threshold=config.fedu.dapu_threshold)
+
+
+registry.register('fedu', build, defaults=config_block, validate=validate, methods=METHODS,
+                  methods_note='needs a predictor', doc='FedU, divergence-aware predictor update')

@@ -24,14 +24,18 @@ as FedBYOL does. With `eua=False` (the ablation "without EUA") the same payloads
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, weighted_mean
-from fedjax_ssl.ops import min_norm
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, weighted_mean
+from fedjax_ssl.data.types import DataInfo
+from fedjax_ssl.ops import min_norm, uot
 
 METHODS = ('byol', 'simsiam', 'simclr')
 EUA_DIRECTIONS = ('code', 'paper')
@@ -183,9 +187,82 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
   return Algorithm(
       name=name, init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=lambda start, client, msg: client, upload=lambda client, msg, local: upload(client),
+      upload=lambda client, msg, local: upload(client),
       aggregate=aggregate,
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
   )
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """FedU2's keys, `config.fedu2`; defaults follow the decisions in docs/notes/fedu2.md."""
+  f = ml_collections.ConfigDict()
+  # FUR (flexible uniform regularizer) on the clients.
+  f.fur = 'uot'                   # uot (paper Eqs. 4-6) | swd (official code) | none (ablation)
+  f.lambda_u = 0.1                # paper 0.1; the code uses 0.01 with its SWD
+  f.tau_a = 0.8
+  f.tau_b = 0.8
+  f.uot_iters = 100
+  f.cost = 'l2'                   # l2 ||z-s|| | sq ||z-s||^2 | sq_max (squared / max)
+  f.mass = 1.0                    # per-sample marginal mass (1/B = probability marginals: FUR inactive)
+  f.normalize = True              # l2-normalise the projector output first (paper)
+  f.swd_projections = 6
+  # EUA (efficient unified aggregator) on the server.
+  f.eua = True                    # False: data-weighted averaging (ablation)
+  f.direction = 'code'            # code 2D/|D| | paper 2D/|D|^2
+  f.solver = 'exact'              # exact | admm | admm_literal (ops.min_norm)
+  f.solver_iters = 0              # 0 = the solver's default
+  f.eta_g = 1.0                   # ADMM: c = eta_g^2 / phi
+  f.phi = 0.1
+  f.rho = 1.0
+  f.scope = 'whole_model'         # whole_model (BYOL target too, code) | online
+  f.step = 'fixed'                # fixed: theta -= server_lr d | deviation: |step| = server_lr mean |D|
+  f.server_lr = 8.0
+  return f
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  """Ranges and choices of `config.fedu2` (ConfigError naming the key)."""
+  del dataset_info
+  f = config.fedu2
+  cv.check_choice('fedu2.fur', f.fur, uot.FUR_KINDS + ('none',))
+  cv.check_choice('fedu2.cost', f.cost, uot.COSTS)
+  cv.check_choice('fedu2.direction', f.direction, EUA_DIRECTIONS)
+  cv.check_choice('fedu2.solver', f.solver, min_norm.METHODS)
+  cv.check_choice('fedu2.scope', f.scope, EUA_SCOPES)
+  cv.check_choice('fedu2.step', f.step, EUA_STEPS)
+  for key in ('lambda_u', 'tau_a', 'tau_b', 'mass', 'eta_g', 'phi', 'rho', 'server_lr'):
+    cv.check_float_range(f'fedu2.{key}', f[key], 0.0, None, inclusive=(key == 'lambda_u', True))
+  cv.check_int_range('fedu2.uot_iters', f.uot_iters, 1, 1_000_000)
+  cv.check_int_range('fedu2.swd_projections', f.swd_projections, 1, 1_000_000)
+  cv.check_int_range('fedu2.solver_iters', f.solver_iters, 0, 10_000_000)
+
+
+def fur_regularizer(f: ml_collections.ConfigDict):
+  """FedU2's per-view FUR term (z [B, d], key) -> lambda_u * L_u(z), or None ('none' or 0)."""
+  if f.fur == 'none' or f.lambda_u == 0:
+    return None
+  lam = float(f.lambda_u)
+  if f.fur == 'swd':
+    return lambda z, key: lam * uot.tangent_swd_loss(z, key, num_projections=f.swd_projections,
+                                                     normalize=f.normalize)
+  kw = dict(tau_a=float(f.tau_a), tau_b=float(f.tau_b), num_iters=int(f.uot_iters), cost=f.cost,
+            mass=float(f.mass), normalize=bool(f.normalize))
+  return lambda z, key: lam * uot.fur_uot_loss(z, key, **kw)[0]
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  """FedU2 over the configured SSL client, FUR added to its loss."""
+  f = config.fedu2
+  spec = dataclasses.replace(ssl_client.spec_from_config(config, info),
+                             feature_regularizer=fur_regularizer(f))
+  return make(spec, clients_per_round=config.clients_per_round, eua=f.eua,
+              eua_direction=f.direction, eua_solver=f.solver, eua_solver_iters=f.solver_iters,
+              eua_scope=f.scope, eua_step=f.step, server_lr=f.server_lr,
+              admm_c=f.eta_g ** 2 / f.phi, admm_rho=f.rho,
+              byol_target_sync=config.byol_target_sync)
+
+
+registry.register('fedu2', build, defaults=config_block, validate=validate, methods=METHODS,
+                  doc='FUR on the clients, EUA on the server (Liao et al., CVPR 2024)')

@@ -2,7 +2,7 @@
 arXiv 2205.12493): clients of different architectures keep personal models and align them through
 the kernels of their representations on a public Representation Alignment Dataset (RAD).
 
-Round t (decisions A1-A28 in BUILD_NOTES "Hetero-SSFL"):
+Round t (decisions A1-A28 in docs/notes/hetero_ssfl.md):
   prepare    round 0: the server's cache of every client's RAD representation A_j = Φ_j(X) [L, d_j]
              (online predictor output, A7) is filled from the initial models (A27); afterwards it
              holds each client's latest upload, stale for non-participants (Algorithm 1, A4).
@@ -35,10 +35,16 @@ from typing import Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, Cohort
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import models
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core import strategies
+from fedjax_ssl.core.algorithm import Algorithm, Cohort, Prepare
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import cka
 
 SIGNS = ('distance', 'similarity')
@@ -177,7 +183,7 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
 
     return Algorithm(
         name=f'hetero_ssfl/{name}', init=init, broadcast=lambda server: server, begin=begin,
-        local_step=local_step, end=lambda start, client, msg: client, upload=upload,
+        local_step=local_step, upload=upload,
         aggregate=lambda server, payloads, weights, ids: server,
         eval_variables=lambda state: (_variables(state.clients), True),
         encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
@@ -244,8 +250,8 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
       begin=None, local_step=None, end=None, upload=None,
       aggregate=aggregate if align else (lambda server, payloads, weights_, slots: server),
       eval_variables=eval_variables, encoder_apply=None, personalized=True,
-      prepare=prepare if align else None, uses_public=align, cohorts=cohorts,
-      prepare_reads_clients=align)
+      prepare=Prepare(prepare, reads_clients=True) if align else None, uses_public=align,
+      cohorts=cohorts)
 
 
 def _pred_width(spec: ssl_client.ClientSpec) -> int:
@@ -257,3 +263,122 @@ def _pred_width(spec: ssl_client.ClientSpec) -> int:
     variables = spec.model.init(k, v, train=False)
     return spec.model.apply(variables, v, train=False)['p']
   return int(jax.eval_shape(apply, key, x).shape[-1])
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """Hetero-SSFL's keys, `config.hetero_ssfl`; defaults follow docs/notes/hetero_ssfl.md."""
+  h = ml_collections.ConfigDict()
+  # Architectures: 'encoder:count,...' covering num_clients ('' = every client config.encoder).
+  h.mix = ''
+  h.assignment = 'ordered'        # ordered (first counts to the first encoder) | shuffled (by seed)
+  h.mu = 0.1                      # v001 / F.2 for CIFAR (v000: 0.5); 0 = standalone local SSL
+  h.mu_schedule = 'constant'      # constant | sqrt (FedHeNN: mu * sqrt(round))
+  h.rad_batch = 1000              # b_R RAD points per local step (A8); 0 = the whole RAD
+  h.sign = 'distance'             # distance 1 - CKA (A1) | similarity + CKA (v000 literal)
+  h.centered = True               # False: the paper's uncentred formula (A2)
+  h.average = 'kernels'           # kernels K̄ = Σ w K (A3) | features Φ̄ = Σ w Φ (v001 Eq. 2)
+  h.kbar_clients = 'all'          # all (stale cache, A4) | participants (this round's, FedHeNN)
+  h.bn_mode = 'train'             # BatchNorm on RAD passes: train batch stats (A9) | eval
+  h.broadcast = 'kernel'          # what K̄ travels as: kernel [L, L] | representations [N, L, d]
+  return h
+
+
+def cohort_groups(config: ml_collections.ConfigDict) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+  """(encoder, sorted client ids) per cohort from hetero_ssfl.mix and .assignment.
+
+  'ordered' gives the first count clients to the first encoder and so on; 'shuffled' does the same
+  over a permutation of the clients drawn from the seed (the paper draws architectures at random).
+  Raises ConfigError for a malformed mix, an unknown encoder, a repeated encoder, a zero count or
+  counts that do not add up to num_clients.
+  """
+  h, num = config.hetero_ssfl, config.num_clients
+  if not h.mix:
+    return ((config.encoder, tuple(range(num))),)
+  counts = []
+  for item in h.mix.split(','):
+    name, sep, count = item.strip().partition(':')
+    if not sep or not count.strip().isdigit():
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: {item!r} is not '
+                           "'encoder:count' (e.g. 'resnet34:3,resnet18:2')")
+    name = name.strip()
+    cv.check_choice('hetero_ssfl.mix encoder', name, tuple(models.ENCODERS))
+    if name in dict(counts):
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: encoder {name!r} '
+                           'appears twice')
+    if int(count) < 1:
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: encoder {name!r} has '
+                           f'{count} clients; every listed encoder needs at least 1')
+    counts.append((name, int(count)))
+  total = sum(c for _, c in counts)
+  if total != num:
+    raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: its counts add up to '
+                         f'{total} clients, but config.num_clients = {num}; the mix must cover '
+                         'every client exactly once')
+  order = np.arange(num)
+  if h.assignment == 'shuffled':
+    order = np.random.default_rng([config.seed, 0x4e7]).permutation(num)
+  out, start = [], 0
+  for name, count in counts:
+    out.append((name, tuple(sorted(int(i) for i in order[start:start + count]))))
+    start += count
+  return tuple(out)
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  """Choices and ranges of `config.hetero_ssfl`, the mix against the strategy, the RAD size."""
+  del dataset_info
+  h = config.hetero_ssfl
+  cv.check_choice('hetero_ssfl.assignment', h.assignment, ('ordered', 'shuffled'))
+  cv.check_choice('hetero_ssfl.mu_schedule', h.mu_schedule, MU_SCHEDULES)
+  cv.check_choice('hetero_ssfl.sign', h.sign, SIGNS)
+  cv.check_choice('hetero_ssfl.average', h.average, AVERAGES)
+  cv.check_choice('hetero_ssfl.kbar_clients', h.kbar_clients, KBAR_CLIENTS)
+  cv.check_choice('hetero_ssfl.bn_mode', h.bn_mode, BN_MODES)
+  cv.check_choice('hetero_ssfl.broadcast', h.broadcast, BROADCASTS)
+  if not isinstance(h.centered, bool):
+    raise cv.ConfigError(f'config.hetero_ssfl.centered = {h.centered!r} is invalid: must be a bool')
+  cv.check_float_range('hetero_ssfl.mu', h.mu, 0.0, None)
+  cv.check_int_range('hetero_ssfl.rad_batch', h.rad_batch, 0, 10_000_000)
+  groups = cohort_groups(config)
+  strategy = strategies.resolve_strategy(config.strategy)
+  for name, members in groups:  # each cohort fills min(m, C_k) slots under the strategy
+    try:
+      strategies.check_participants(strategy, min(config.clients_per_round, len(members)),
+                                    config.map_chunk_size)
+    except ValueError as e:
+      raise cv.ConfigError(f'config.hetero_ssfl.mix = {h.mix!r} is invalid: cohort {name!r} trains '
+                           f'{min(config.clients_per_round, len(members))} slots per round: {e}') from None
+  if h.mu > 0:
+    if config.public_size < 1:
+      raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid for Hetero-SSFL '
+                           f'with hetero_ssfl.mu = {h.mu}: the RAD is carved out of the training '
+                           'split, set public_size > 0 (the paper: 5000)')
+    b_r = h.rad_batch or config.public_size
+    if b_r > config.public_size or config.public_size % b_r:
+      raise cv.ConfigError(f'config.hetero_ssfl.rad_batch = {h.rad_batch} is invalid with '
+                           f'config.public_size = {config.public_size}: it must divide the RAD '
+                           'size (0 = the whole RAD every step)')
+    registry.check_clients_on_device(config)
+
+
+def encoders(config: ml_collections.ConfigDict) -> Sequence[Tuple[str, str]]:
+  """[(config key, encoder)] of the run: the mix's encoders, or config.encoder without a mix."""
+  if not config.hetero_ssfl.mix:
+    return [('config.encoder', config.encoder)]
+  return [('config.hetero_ssfl.mix encoder', e) for e, _ in cohort_groups(config)]
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  """Hetero-SSFL over the cohorts of `config.hetero_ssfl.mix`."""
+  h, groups = config.hetero_ssfl, cohort_groups(config)
+  return make([(name, ssl_client.spec_from_config(config, info, name)) for name, _ in groups],
+              [members for _, members in groups], rad_size=config.public_size, mu=float(h.mu),
+              rad_batch=h.rad_batch, mu_schedule=h.mu_schedule, sign=h.sign, centered=h.centered,
+              average=h.average, kbar_clients=h.kbar_clients, bn_mode=h.bn_mode,
+              broadcast=h.broadcast)
+
+
+registry.register('hetero_ssfl', build, defaults=config_block, validate=validate, methods=METHODS,
+                  methods_note='the aligned representation is the predictor output',
+                  exclusive=('mix',), encoders=encoders,
+                  doc='several architectures in one federation, aligned by CKA on a public set')

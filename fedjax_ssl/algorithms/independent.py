@@ -6,9 +6,11 @@ representation-sharing code's `get_model` per client), or from one shared one wi
 from __future__ import annotations
 
 import jax
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, replicate
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, replicate
+from fedjax_ssl.data.types import DataInfo
 
 
 def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algorithm:
@@ -30,7 +32,7 @@ def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algor
   return Algorithm(
       name='independent', init=init, broadcast=lambda server: server, begin=begin,
       local_step=lambda c, b, k, msg, lr: ssl_client.local_step(spec, c, b, k, msg, lr),
-      end=lambda start, client, msg: client,
+     
       upload=lambda client, msg, local: {},
       aggregate=lambda server, payloads, weights, ids: server,
       eval_variables=eval_variables,
@@ -40,3 +42,18 @@ def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algor
       classifier_apply=fedavg.classifier_apply(spec),
       ragged_batches=spec.method == 'sc',
   )
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """Independent training's keys, `config.independent`."""
+  # True: every client its own random init (representation-sharing code); False: one shared init.
+  return ml_collections.ConfigDict({'independent_init': True})
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  return make(ssl_client.spec_from_config(config, info),
+              independent_init=config.independent.independent_init)
+
+
+registry.register('independent', build, defaults=config_block,
+                  doc='each client trains alone (IL / local SSL), evaluated client by client')

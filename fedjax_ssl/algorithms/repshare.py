@@ -29,12 +29,17 @@ from __future__ import annotations
 from typing import Any, Dict
 
 import jax
+from absl import logging
 import jax.numpy as jnp
+import ml_collections
 
-from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.algorithms.base import Algorithm, LocalData
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import models
+from fedjax_ssl.algorithms import fedavg, registry, ssl_client
+from fedjax_ssl.core.algorithm import Algorithm, LocalData, Prepare
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.eval import features
 from fedjax_ssl.models import layers
 from fedjax_ssl.ops import prototypes
@@ -240,13 +245,71 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
 
   return Algorithm(
       name='repshare', init=init, broadcast=broadcast, begin=begin, local_step=local_step,
-      end=lambda start, client, msg: client,
+     
       upload=lambda client, msg, local: summarize(client, local),
       aggregate=lambda server, payloads, weights, ids: store_uploads(server, payloads, ids),
       eval_variables=lambda state: (variables_of(state.clients), True),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
-      personalized=True, prepare=prepare, personalize=personalize,
-      prepare_reads_clients=init_prototypes == 'model',
-      prepare_upload_bytes=prepare_upload_bytes)
+      personalized=True, personalize=personalize,
+      prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes,
+                      reads_clients=init_prototypes == 'model'))
+
+
+def config_block() -> ml_collections.ConfigDict:
+  """Representation sharing's keys, `config.repshare`; defaults: docs/notes/repshare.md (the paper's
+  lambda_kd = 10, lambda_disc = 1, n_avg = 10)."""
+  r = ml_collections.ConfigDict()
+  r.lambda_kd = 10.0
+  r.lambda_disc = 1.0
+  r.n_avg = 10                    # samples per relayed n_avg-prototype
+  r.reduction = 'mean'            # mean (author code: MSE / BCE means, A1) | sum (paper's sums)
+  r.partner = 'user'              # user (one other user, all classes, A6) | per_class
+  r.init_prototypes = 'model'     # model (from the untrained models, A8) | random U(-1, 1)
+  r.upload_batch = 500            # images per eval forward when summarising (memory only)
+  return r
+
+
+def validate_relay(config: ml_collections.ConfigDict) -> None:
+  """What representation sharing and FD share: at least two clients; warnings where the setting
+  departs from the paper's (persistent Adam, no augmentation)."""
+  name = config.algorithm
+  if config.num_clients < 2:
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} is invalid for algorithm '
+                         f"{name!r}: clients distil from the other clients' averages, need >= 2")
+  if config.reset_optimizer:
+    logging.warning('config.reset_optimizer = True with algorithm %r: the paper keeps each '
+                    "client's Adam state across rounds (reset_optimizer = False)", name)
+  if config.augmentation != 'none':
+    logging.warning("config.augmentation = %r with algorithm %r: the paper uses none ('none')",
+                    config.augmentation, name)
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
+  """The relay's rules and the ranges of `config.repshare`."""
+  del dataset_info
+  validate_relay(config)
+  r = config.repshare
+  cv.check_float_range('repshare.lambda_kd', r.lambda_kd, 0.0, None)
+  cv.check_float_range('repshare.lambda_disc', r.lambda_disc, 0.0, None)
+  cv.check_int_range('repshare.n_avg', r.n_avg, 1, 1_000_000)
+  cv.check_choice('repshare.reduction', r.reduction, ('mean', 'sum'))
+  cv.check_choice('repshare.partner', r.partner, PARTNERS)
+  cv.check_choice('repshare.init_prototypes', r.init_prototypes, INIT_PROTOTYPES)
+  cv.check_int_range('repshare.upload_batch', r.upload_batch, 1, 10_000_000)
+  if r.init_prototypes == 'model':
+    registry.check_clients_on_device(config)
+
+
+def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
+  r = config.repshare
+  return make(ssl_client.spec_from_config(config, info), num_classes=info.num_classes,
+              feature_dim=models.feature_dim(config.encoder), lambda_kd=r.lambda_kd,
+              lambda_disc=r.lambda_disc, n_avg=r.n_avg, reduction=r.reduction, partner=r.partner,
+              init_prototypes=r.init_prototypes, upload_batch=r.upload_batch)
+
+
+registry.register('repshare', build, defaults=config_block, validate=validate,
+                  methods=('supervised',), methods_note='it trains classifiers',
+                  doc='contrastive distillation through per-class prototypes, relay server')

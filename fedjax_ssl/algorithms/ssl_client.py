@@ -17,9 +17,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
+from fedjax_ssl import models
+from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
+from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ssl import losses
 
 SSL_METHODS = ('byol', 'simsiam', 'simclr', 'sc', 'supervised')
@@ -203,3 +207,35 @@ def encoder_variables(variables: Dict[str, Any]) -> Dict[str, Any]:
   if 'encoder' in variables.get('batch_stats', {}):
     out['batch_stats'] = variables['batch_stats']['encoder']
   return out
+
+
+def model_from_config(config: ml_collections.ConfigDict, num_classes: int, encoder: str = ''
+                      ) -> nn.Module:
+  """The client model around `encoder` (default config.encoder): an SSLModel with the configured
+  heads, or a Classifier for ssl_method 'supervised'."""
+  module = models.get_encoder(encoder or config.encoder, conv_impl=config.conv_impl)
+  if config.ssl_method == 'supervised':
+    return models.Classifier(module, num_classes)
+  with_pred = config.ssl_method in ('byol', 'simsiam')
+  if config.heads == 'custom':
+    projector = models.MLPHead(config.proj_hidden, config.proj_out, config.head_bn)
+    predictor = models.MLPHead(config.pred_hidden, config.pred_out, config.head_bn) if with_pred else None
+  else:
+    projector, predictor = models.make_heads(config.heads, with_pred)
+  return models.SSLModel(module, projector, predictor)
+
+
+def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder: str = ''
+                     ) -> ClientSpec:
+  """The local learning problem of a client with `encoder` (default config.encoder), from the
+  run's generic keys (method, model, optimiser, augmentation, loss settings). Algorithms that add a
+  term (FedU2's FUR) or change a scale (FedSC's paper scale) replace those fields."""
+  h, w, c = info.image_shape
+  tx = optim.make_optimizer(config.optimizer, momentum=config.momentum, nesterov=config.nesterov,
+                            weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
+  return ClientSpec(
+      method=config.ssl_method, model=model_from_config(config, info.num_classes, encoder), tx=tx,
+      aug=augment.preset(config.augmentation, h), mean=tuple(info.mean), std=tuple(info.std),
+      input_shape=(h, w, c), temperature=config.temperature,
+      nt_xent_zero_diagonal=config.nt_xent_zero_diagonal, ema_tau=config.ema_tau,
+      reset_optimizer=config.reset_optimizer, sc_mu=float(config.sc_mu) or None)

@@ -3,7 +3,7 @@
 A participant sends its `upload` payload and receives the round's broadcast (its `personalize`d view
 when the algorithm has one). The public set an algorithm may receive (`uses_public`, msg['public_x'])
 is sent once before training, not every round, so it is left out. Uploads that happen inside
-`prepare` (FedSC's correlation matrices) are reported by the algorithm's `prepare_upload_bytes`.
+`prepare` (FedSC's correlation matrices) are reported by the algorithm's `Prepare.upload_bytes`.
 
 Sizes are static (shapes x dtype item sizes), so the per-participant figures are exact Python ints
 (`message_bytes`); a round's totals scale them by the round's participants and are logged as the
@@ -64,11 +64,11 @@ def round_metrics(algo, msg: Any, payloads, participants, state, server_after
     payloads: per cohort, the uploads stacked over that cohort's slots.
     participants: per cohort, the number of real participants (int scalar, may be traced).
     state: the round's incoming FedState; server_after: the server state after `prepare` (both
-      for `algo.prepare_upload_bytes`).
+      for `algo.prepare.upload_bytes`).
   """
   down = tree_bytes(downlink_message(algo, msg))
   up = sum(jnp.asarray(k, jnp.float32) * per_slot_bytes(p) for p, k in zip(payloads, participants))
   total = sum(jnp.asarray(k, jnp.float32) for k in participants)
-  if algo.prepare_upload_bytes is not None:
-    up = up + algo.prepare_upload_bytes(state, server_after)
+  if algo.prepare is not None and algo.prepare.upload_bytes is not None:
+    up = up + algo.prepare.upload_bytes(state, server_after)
   return {'bytes_up': jnp.asarray(up, jnp.float32), 'bytes_down': total * float(down)}

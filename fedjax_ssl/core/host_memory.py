@@ -4,11 +4,15 @@ XLA:CPU allocates each execution's temporary buffer afresh and frees it when the
 glibc serves a block above its mmap threshold (dynamic, at most 32 MiB) with a fresh `mmap` and
 returns it with `munmap`, so every execution writes to pages the kernel has to fault in and zero
 again: a FedBYOL small-CNN step of batch 64 (42.5 MiB of temporaries) took 11,000 minor page
-faults, about 20 ms of its 52 ms, every call (BUILD_NOTES, "Scan vs top-level step"). Inside one
+faults, about 20 ms of its 52 ms, every call (docs/notes/performance.md#scan-vs-step). Inside one
 long program (the round step's loop over steps) the buffer is faulted in once, which is why a step
 looked cheaper there.
 
-FEDJAX_SSL_MALLOC, read when `fedjax_ssl` is imported:
+Nothing here runs on import: the binaries (experiments/train.py, benchmark.py, reproduce.py) call
+`keep_freed_memory()` first thing at process start, before anything runs on JAX; the settings
+govern later allocations only, and they are process-wide.
+
+FEDJAX_SSL_MALLOC, read when `keep_freed_memory()` is called:
   * 'keep' (default): no mmap allocations, heap trimming at 2 GiB. Freed blocks of the main arena
     stay mapped. XLA also allocates from worker threads, whose per-thread arenas are 64 MiB heaps
     that glibc still unmaps once empty, so the gain depends on which thread allocates: measured 0

@@ -15,8 +15,8 @@ batching rule instead (`jax.custom_batching.custom_vmap`, `_lanes_rule`): the pa
 sorted by step count and trained in phases of shrinking static width (`lane_widths`); a phase runs
 until so few clients are left that the next, narrower phase holds them all. The batched step is
 the same step, so the numbers are those of the unbatched loop. The step is not wrapped in a
-`lax.cond` inside a `scan`: XLA does not merge identical work inside such a branch (BUILD_NOTES,
-"Scan vs top-level step").
+`lax.cond` inside a `scan`: XLA does not merge identical work inside such a branch (docs/notes/
+performance.md#scan-vs-step).
 
 Rows are read from the federation's flat arrays (`FedData`): client rows offset .. offset + n - 1.
 """

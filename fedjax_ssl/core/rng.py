@@ -2,6 +2,8 @@
 so results never depend on execution order, strategy or which other clients take part."""
 from __future__ import annotations
 
+from typing import Tuple
+
 import jax
 
 # Distinct fold-in tags keep the streams of one client independent of each other.
@@ -54,3 +56,10 @@ def begin_key(ckey: jax.Array) -> jax.Array:
 def upload_key(ckey: jax.Array) -> jax.Array:
   """Key of a participant's upload (e.g. which samples make its n_avg-prototypes)."""
   return jax.random.fold_in(ckey, _UPLOAD_STREAM)
+
+
+def run_keys(seed: int) -> Tuple[jax.Array, jax.Array]:
+  """(init_key, run_key) of a run: the model init and every round's randomness (round r uses
+  round_key(run_key, r))."""
+  init_key, run_key = jax.random.split(jax.random.PRNGKey(seed))
+  return init_key, run_key

@@ -1,24 +1,18 @@
 """The generic round step: sample participants, broadcast, train locally, upload, aggregate, scatter.
 
 `make_round_step` returns ONE jitted pure function `round_step(state, fed_data, key)` with the state
-donated. Two slower baselines give the same numbers, for the benchmark:
-  * `make_stepwise_round_step` runs clients the way FedJAX's `for_each_client` (jit backend) and the
-    official PyTorch codes do: a Python loop over participants and, inside, over local steps, with
-    each batch gathered on the host and one jitted step call per batch;
-  * `make_sequential_round_step` is the strongest per-client loop: one jitted call per participant
-    that runs that client's whole local training as a scan.
+donated. `core/baselines.py` runs the same round as Python loops over clients, for the benchmark.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_ssl.algorithms.base import (Algorithm, Cohort, CohortSlots, LocalData, persist_client,
+from fedjax_ssl.core.algorithm import (Algorithm, Cohort, CohortSlots, LocalData, persist_client,
                                         restore_client)
 from fedjax_ssl.core import comm, local, rng, strategies
 from fedjax_ssl.core.state import FedState
@@ -154,14 +148,14 @@ def cohort_slots(ids: jax.Array, cohort: Cohort, num_clients: int, m: int) -> Co
   return CohortSlots(jnp.where(valid, loc[pos], len(members)).astype(jnp.int32), ids[pos], valid)
 
 
-def _prepare(algo: Algorithm, state: FedState, data: FedData, ids, key):
+def prepare_server(algo: Algorithm, state: FedState, data: FedData, ids, key):
   """The server state after the algorithm's `prepare` hook (unchanged without one)."""
   if algo.prepare is None:
     return state.server
-  return algo.prepare(state, data, ids, key)
+  return algo.prepare.fn(state, data, ids, key)
 
 
-def _broadcast(algo: Algorithm, server, data: FedData):
+def round_message(algo: Algorithm, server, data: FedData):
   """The round's message: `broadcast(server)`, plus the public set for `uses_public` algorithms."""
   msg = algo.broadcast(server)
   if algo.uses_public:
@@ -172,7 +166,7 @@ def _broadcast(algo: Algorithm, server, data: FedData):
   return msg
 
 
-def _aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, losses, lr,
+def aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, losses, lr,
                      msg):
   """(server after `aggregate`, round metrics) of a single-cohort round."""
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
@@ -287,8 +281,8 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     """The round given its participants' stored states `sel` (per cohort): (server, new stored
     states per cohort, metrics). `state.clients` is not read unless `prepare` reads it."""
     ids, slots = participants(key)
-    server = _prepare(algo, state, data, ids, key)
-    msg = _broadcast(algo, server, data)
+    server = prepare_server(algo, state, data, ids, key)
+    msg = round_message(algo, server, data)
     lr = cfg.lr_fn(state.round)
     outs = [train(f, st, sl, data, key, msg, lr) for f, st, sl in zip(fns, sel, slots)]
     n_sel, new_sel, payloads, losses = (tuple(o[i] for o in outs) for i in range(4))
@@ -296,12 +290,12 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
       server, metrics = _aggregate_cohort_round(algo, state, server, slots, n_sel, payloads,
                                                 losses, lr, m, msg)
     else:
-      server, metrics = _aggregate_round(algo, state, server, ids, n_sel[0], payloads[0],
+      server, metrics = aggregate_round(algo, state, server, ids, n_sel[0], payloads[0],
                                          losses[0], lr, msg)
     return server, new_sel, metrics
 
   if cfg.client_state == 'host':
-    if algo.prepare_reads_clients:
+    if algo.prepare is not None and algo.prepare.reads_clients:
       raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads every client's state on the device; use 'device'")
     return _host_round_step(algo, strategies.jit_replicated(participants),
@@ -348,8 +342,8 @@ def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: Fe
 
   def shapes(state, data, key):
     ids = sample_participants(key, num_clients, cfg.clients_per_round)
-    server = _prepare(algo, state, data, ids, key)
-    msg = _broadcast(algo, server, data)
+    server = prepare_server(algo, state, data, ids, key)
+    msg = round_message(algo, server, data)
     payloads = []
     for cohort, stack in zip(groups, cohort_stacks(algo, state.clients)):
       cid = cohort.members[0]
@@ -362,102 +356,3 @@ def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: Fe
   msg, payloads = jax.eval_shape(shapes, state, data, jax.random.PRNGKey(0))
   down = comm.tree_bytes(comm.downlink_message(algo, msg))
   return tuple(comm.MessageBytes(comm.tree_bytes(p), down) for p in payloads)
-
-
-def _check_plain(algo: Algorithm, what: str) -> None:
-  if algo.cohorts:
-    raise ValueError(f'{what} runs single-architecture algorithms; {algo.name!r} has '
-                     f'{len(algo.cohorts)} cohorts (use make_round_step)')
-
-
-def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, Callable]:
-  """The jitted round start (participants, broadcast, lr) and end (aggregate, scatter) shared by the
-  two Python-loop baselines."""
-  @jax.jit
-  def prepare(state, data, key):
-    ids = sample_participants(key, data.num_clients, cfg.clients_per_round)
-    server = _prepare(algo, state, data, ids, key)
-    return ids, server, _broadcast(algo, server, data), cfg.lr_fn(state.round)
-
-  @jax.jit
-  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr, msg):
-    server, metrics = _aggregate_round(algo, state, server, ids, n_sel, payloads, losses, lr, msg)
-    clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
-    return FedState(clients=clients, server=server, round=state.round + 1), metrics
-
-  return prepare, finish
-
-
-def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
-  """Same round, clients one at a time from Python: one jitted call per participant, then a jitted
-  aggregation. Used as the benchmark baseline (the FedJAX `for_each_client` / PyTorch-loop way)."""
-  _check_plain(algo, 'make_sequential_round_step')
-  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
-  per_client = jax.jit(client_round_fn(algo, cfg))
-  prepare, finish = _loop_prepare_finish(algo, cfg)
-
-  def round_step(state: FedState, data: FedData, key: jax.Array):
-    ids, server, msg, lr = prepare(state, data, key)
-    outs = []
-    for cid in [int(i) for i in ids]:
-      client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
-      outs.append(per_client(client, rng.client_key(key, cid), jnp.int32(cid), data, msg, lr))
-    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr, msg)
-
-  return round_step
-
-
-def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int) -> Callable:
-  """Same round, the FedJAX `for_each_client` way: for each participant a jitted `begin`, then a
-  Python loop over its real local steps (E * steps_per_epoch(n)), each batch gathered from host memory
-  with numpy and passed to one jitted step call, then a jitted `end`/`upload`; a jitted aggregation
-  last. Batches and keys are those of `local.train_client`, so the numbers are the same."""
-  _check_plain(algo, 'make_stepwise_round_step')
-  validate(dataclasses.replace(cfg, strategy='vmap'), num_clients, algo)
-  bsz, epochs = cfg.batch_size, cfg.local_epochs
-  prepare, finish = _loop_prepare_finish(algo, cfg)
-  personalize = jax.jit(algo.personalize or (lambda msg, cid: msg))
-
-  @functools.partial(jax.jit, static_argnames='n_max')
-  def begin(stored, msg, ckey, n, n_max):
-    perms = local.epoch_permutations(ckey, n, n_max, epochs)
-    return algo.begin(restore_client(algo, stored, msg), msg, rng.begin_key(ckey)), perms
-
-  @jax.jit
-  def step(client, batch, ckey, s, msg, lr):
-    return algo.local_step(client, batch, rng.step_key(ckey, s), msg, lr)
-
-  @jax.jit
-  def end(start, trained, msg, data, cid, ckey):
-    trained = algo.end(start, trained, msg)
-    payload = algo.upload(trained, msg, LocalData(*data.client(cid), rng.upload_key(ckey)))
-    return persist_client(algo, trained), payload
-
-  def round_step(state: FedState, data: FedData, key: jax.Array):
-    ids, server, msg_all, lr = prepare(state, data, key)
-    x_host, y_host, n_host = np.asarray(data.x), np.asarray(data.y), np.asarray(data.n)
-    off_host = np.asarray(data.offsets)
-    outs = []
-    for cid in [int(i) for i in ids]:
-      msg = personalize(msg_all, jnp.int32(cid))
-      client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
-      ckey, n = rng.client_key(key, cid), int(n_host[cid])
-      start, perms = begin(client, msg, ckey, n_host[cid], n_max=data.n_max)
-      perms = np.asarray(perms)
-      spe = int(local.steps_per_epoch(n, bsz, cfg.drop_last))
-      trained, losses = start, []
-      for s in range(epochs * spe):
-        pos = (s % spe) * bsz + np.arange(bsz)
-        idx = off_host[cid] + perms[s // spe, pos % n]
-        batch = {'x': x_host[idx], 'y': y_host[idx]}
-        if not cfg.drop_last:
-          batch['mask'] = pos < n
-        trained, loss = step(trained, batch, ckey, s, msg, lr)
-        losses.append(loss)
-      trained, payload = end(start, trained, msg, data, jnp.int32(cid), ckey)
-      outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
-    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr, msg_all)
-
-  return round_step

@@ -27,7 +27,7 @@ STRATEGIES = ('vmap', 'map', 'shard')
 
 
 def default_strategy(backend: str | None = None) -> str:
-  """Default per backend, chosen by measurement (BUILD_NOTES.md, 'Execution strategies')."""
+  """Default per backend, chosen by measurement (docs/notes/performance.md#execution-strategies)."""
   backend = backend or jax.default_backend()
   return 'map' if backend == 'cpu' else 'vmap'
 
@@ -56,7 +56,7 @@ def _batched(fn: Callable, shared: tuple) -> Callable:
   """vmap of fn over the leading axis of its client arguments — except for an axis of size 1, where
   fn is applied to the squeezed arguments. jax 0.10.2 / XLA:CPU miscompiles our local-training scan
   when it is vmapped over a size-1 axis inside an outer scan or shard_map (results off by O(1); see
-  BUILD_NOTES.md, 'Execution strategies'); never creating such an axis avoids it and costs nothing."""
+  docs/notes/performance.md#execution-strategies); never creating such an axis avoids it and costs nothing."""
   def run(*per_client):
     size = jax.tree_util.tree_leaves(per_client)[0].shape[0]
     if size == 1:

@@ -11,7 +11,7 @@ The codes put flip before (EasyFL), between (FedSC) or after (FedU2) the colour 
 the colour ops act per pixel or through image-wide means, so the three orders give identical outputs.
 
 Deviations from torchvision (which runs these ops on PIL uint8 images in all three reference codes) are listed in
-BUILD_NOTES.md 'Augmentation'; in short: no uint8 re-quantisation between ops, luma weights 0.299/0.587/0.114 (PIL's)
+docs/notes/data.md#augmentation; in short: no uint8 re-quantisation between ops, luma weights 0.299/0.587/0.114 (PIL's)
 everywhere, and no antialiasing when the output is smaller than the crop (a no-op for every preset, whose crops are
 never larger than the output).
 """
@@ -268,7 +268,7 @@ def crop_resize(x, box, out_hw: Tuple[int, int], flip=False):
   Implemented as a separable sampling grid (gathers at dynamic indices), so the box can differ per sample under vmap.
   The flip reverses the column taps instead of the output: the same arithmetic per output pixel, so bit-identical to
   `hflip(crop_resize(...))`, but XLA:CPU runs a select between a gather and its reverse inside a scan ~10x slower
-  than the gather alone (BUILD_NOTES.md, 'Augmentation cost').
+  than the gather alone (docs/notes/data.md#augmentation-cost).
   A full-image box with out_hw == (H, W) returns x exactly (all second-tap weights are 0).
   """
   height, width, _ = x.shape

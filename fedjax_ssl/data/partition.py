@@ -6,7 +6,7 @@ Schemes (`partition(labels, num_clients, scheme, ...)`), all deterministic given
                proportions p ~ Dir(alpha * 1_C); the class's shuffled examples are split by
                floor(p * n_class) with the remainder going to the largest fractional parts (FedU2's
                fedbox `split_dirichlet_label`). The whole draw is repeated until every client has at
-               least `min_size` examples (the common NIID-Bench re-draw loop; BUILD_NOTES 'Data').
+               least `min_size` examples (the common NIID-Bench re-draw loop; docs/notes/data.md#data).
   'classes'    k = classes_per_client classes per client.
                * num_clients * k <= num_classes: disjoint classes, client i gets every example of
                  classes order[i*k : (i+1)*k] (Hetero-SSFL; FedSC: client i gets {k i, ..., k i + k-1}).
@@ -29,7 +29,7 @@ import numpy as np
 from fedjax_ssl.data.types import Dataset, FedData
 
 SCHEMES = ('iid', 'dirichlet', 'classes')
-DEFAULT_MIN_SIZE = 2  # every client needs >= 2 examples (BatchNorm, SSL pairs); BUILD_NOTES 'Data'.
+DEFAULT_MIN_SIZE = 2  # every client needs >= 2 examples (BatchNorm, SSL pairs); docs/notes/data.md#data.
 DEFAULT_MAX_DRAWS = 1000
 _SCHEME_KWARGS = ('alpha', 'classes_per_client', 'min_size', 'shuffle_classes', 'max_draws')
 

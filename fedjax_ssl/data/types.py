@@ -37,6 +37,32 @@ class Dataset:
     return tuple(self.train_x.shape[1:])
 
 
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+  """What an algorithm's `build` needs to know of the loaded data (no arrays of images).
+
+  Attributes:
+    name: dataset name.
+    image_shape: (H, W, C) of the stored images.
+    num_classes: number of label values.
+    mean, std: per-channel normalisation statistics (those of `Dataset`).
+    client_sizes: int [C] examples per client (`FedData.n`), or None before partitioning; FedSC
+      with DP needs it (its noise level and privacy ledger depend on |D_j|).
+  """
+  name: str
+  image_shape: Tuple[int, int, int]
+  num_classes: int
+  mean: Tuple[float, ...]
+  std: Tuple[float, ...]
+  client_sizes: Optional[np.ndarray] = None
+
+  @classmethod
+  def of(cls, dataset: Dataset, client_sizes: Optional[np.ndarray] = None) -> 'DataInfo':
+    return cls(dataset.name, tuple(int(s) for s in dataset.image_shape), int(dataset.num_classes),
+               tuple(dataset.mean), tuple(dataset.std),
+               None if client_sizes is None else np.asarray(client_sizes))
+
+
 @flax.struct.dataclass
 class FedData:
   """Device-resident federated data: every client's real rows in one flat array.

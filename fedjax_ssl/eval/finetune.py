@@ -1,7 +1,7 @@
 """Semi-supervised evaluation: fine-tune an encoder plus a linear layer on a class-balanced labelled subset.
 
-Protocol (Hetero-SSFL, App. C of its ICLR 2023 OpenReview version; the subset choice is ours, see BUILD_NOTES
-'Losses and evaluation'): a class-balanced random 1% or 10% of the training
+Protocol (Hetero-SSFL, App. C of its ICLR 2023 OpenReview version; the subset choice is ours, see
+docs/notes/evaluation.md#losses-and-evaluation): a class-balanced random 1% or 10% of the training
 set, shared by all clients; each model's whole encoder and a new Dense(num_classes) head are trained jointly
 with SGD + Nesterov momentum 0.9, lr 0.05, batch 512 (10%) or 256 (1%), 100 epochs; the encoder runs in
 train mode (BatchNorm batch statistics, running averages updated), as in the FedU2 `semi_eval.py`. Test

@@ -79,8 +79,7 @@ class FixupResNet20(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train  # no BN / dropout
-    if x.ndim != 4:
-      raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+    layers.check_nhwc(x)
     num_layers = sum(self.stage_sizes)
     width = 16 * self.widen
     x = layers.Conv(width, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name='conv1')(x)

@@ -142,7 +142,7 @@ def patch_matmul(cols: jax.Array, kmat: jax.Array) -> jax.Array:
   The kernel gradient of a matmul contracts both operands over their leading (row) axis, M = the
   batch's output pixels. XLA:CPU runs that transposed-operand dot outside its fast (YNNPACK) GEMM
   path: 12-20 GFLOP/s on one core for the convolutions of the cross-device CNN, against 55-80 for
-  the same work as an ordinary [K, M] @ [M, N] GEMM (BUILD_NOTES, "Cross-device round"). The
+  the same work as an ordinary [K, M] @ [M, N] GEMM (docs/notes/performance.md#cross-device-round). The
   backward pass therefore materialises cols^T (an optimization barrier keeps XLA from folding the
   transpose back into the dot). The numbers are those of jnp.dot's own gradient up to float
   summation order.
@@ -249,3 +249,36 @@ def max_pool(x: jax.Array, window: int = 2) -> jax.Array:
 def global_avg_pool(x: jax.Array) -> jax.Array:
   """[B, H, W, C] -> [B, C] mean over space (PyTorch AdaptiveAvgPool2d(1) + flatten)."""
   return jnp.mean(x, axis=(1, 2))
+
+
+def check_nhwc(x: jax.Array) -> None:
+  """Raises unless x is a batch of images [B, H, W, C] (the encoders' input)."""
+  if x.ndim != 4:
+    raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+
+
+def conv_bn(conv_impl: str, train: bool) -> Tuple[Callable[..., Conv], Callable[[str], nn.Module]]:
+  """The ResNet encoders' layer constructors, (conv, bn):
+
+    conv(features, kernel_size, strides, name): a bias-free Conv, PyTorch's symmetric k//2 padding;
+    bn(name): the project BatchNorm, batch statistics when `train`, running averages otherwise.
+  Call them inside a compact module's __call__: the layers become that module's submodules.
+  """
+  def conv(features: int, kernel_size: int, strides: int, name: str) -> Conv:
+    return Conv(features, kernel_size, strides, padding=kernel_size // 2, use_bias=False,
+                conv_impl=conv_impl, name=name)
+
+  def bn(name: str) -> nn.Module:
+    return BatchNorm(use_running_average=not train, name=name)
+
+  return conv, bn
+
+
+def conv_bn_relu(x: jax.Array, features: int, train: bool, conv_impl: str,
+                 conv_name: str = 'conv1', bn_name: str = 'bn1') -> jax.Array:
+  """relu(BN(conv3x3(x))), stride 1, bias-free: the CIFAR ResNet stem [B,H,W,C] -> [B,H,W,features].
+
+  As `conv_bn`, call inside a compact module's __call__.
+  """
+  conv, bn = conv_bn(conv_impl, train)
+  return nn.relu(bn(bn_name)(conv(features, 3, 1, conv_name)(x)))

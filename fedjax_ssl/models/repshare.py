@@ -20,31 +20,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_ssl.models import layers
+from fedjax_ssl.models import layers, resnet
 
 
-class RepShareBlock(nn.Module):
-  """Author ResBlock: [B,H,W,Cin] -> [B,H/s,W/s,planes]; 1x1 conv + BN shortcut when strides != 1."""
-  planes: int
-  strides: int = 1
-  conv_impl: str = 'auto'
+class RepShareBlock(resnet.BasicBlock):
+  """Author ResBlock: [B,H,W,Cin] -> [B,H/s,W/s,planes]. BasicBlock's fields and branches, joined as
+  relu(residual) + shortcut; 1x1 conv + BN shortcut only when strides != 1."""
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
-                                             conv_impl=self.conv_impl, name=name)
-    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
-    out = nn.relu(bn('bn1')(conv(self.planes, 3, self.strides, 'conv1')(x)))
-    out = nn.relu(bn('bn2')(conv(self.planes, 3, 1, 'conv2')(out)))
-    shortcut = x
-    if self.strides != 1:
-      shortcut = bn('shortcut_bn')(conv(self.planes, 1, self.strides, 'shortcut_conv')(x))
-    return out + shortcut
-
-
-def _check_nhwc(x: jax.Array) -> None:
-  if x.ndim != 4:
-    raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+    out, shortcut = resnet.basic_branches(x, self.planes, self.strides, train, self.conv_impl,
+                                          project=self.strides != 1)
+    return nn.relu(out) + shortcut
 
 
 class LeNet5(nn.Module):
@@ -55,7 +42,7 @@ class LeNet5(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train  # no BN / dropout
-    _check_nhwc(x)
+    layers.check_nhwc(x)
     conv = lambda f, k, name: layers.Conv(f, k, 1, padding=k // 2, conv_impl=self.conv_impl, name=name)
     x = layers.max_pool(nn.relu(conv(6, 5, 'conv1')(x)))
     x = layers.max_pool(nn.relu(conv(16, 5, 'conv2')(x)))
@@ -70,11 +57,10 @@ class ResNet9(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    _check_nhwc(x)
+    layers.check_nhwc(x)
 
     def conv_bn_relu(x, f, name):
-      x = layers.Conv(f, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name=f'{name}_conv')(x)
-      return nn.relu(layers.BatchNorm(use_running_average=not train, name=f'{name}_bn')(x))
+      return layers.conv_bn_relu(x, f, train, self.conv_impl, f'{name}_conv', f'{name}_bn')
 
     x = conv_bn_relu(x, 64, 'prep')
     x = layers.max_pool(conv_bn_relu(x, 128, 'layer1'))
@@ -99,9 +85,8 @@ class RepShareResNet18(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    _check_nhwc(x)
-    x = layers.Conv(64, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name='conv1')(x)
-    x = nn.relu(layers.BatchNorm(use_running_average=not train, name='bn1')(x))
+    layers.check_nhwc(x)
+    x = layers.conv_bn_relu(x, 64, train, self.conv_impl)
     for i, (planes, strides) in enumerate(self.blocks):
       x = RepShareBlock(planes, strides, conv_impl=self.conv_impl, name=f'block{i}')(x, train)
     x = layers.global_avg_pool(x)

@@ -11,7 +11,7 @@ Padding is PyTorch's symmetric k//2 (not 'SAME'), so stride-2 windows are centre
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -19,6 +19,21 @@ import jax
 from fedjax_ssl.models import layers
 
 BLOCKS = ('basic', 'bottleneck')
+
+
+def basic_branches(x: jax.Array, planes: int, strides: int, train: bool, conv_impl: str,
+                   project: bool) -> Tuple[jax.Array, jax.Array]:
+  """A basic residual block's two branches, not yet joined: [B,H,W,Cin] -> 2 x [B,H/s,W/s,planes].
+
+  Residual BN(conv3x3(relu(BN(conv3x3_stride(x))))) (submodules conv1, bn1, conv2, bn2) and the
+  shortcut: x, or with `project` BN(conv1x1_stride(x)) (shortcut_conv, shortcut_bn). Call inside
+  the block's compact __call__.
+  """
+  conv, bn = layers.conv_bn(conv_impl, train)
+  out = nn.relu(bn('bn1')(conv(planes, 3, strides, 'conv1')(x)))
+  out = bn('bn2')(conv(planes, 3, 1, 'conv2')(out))
+  shortcut = bn('shortcut_bn')(conv(planes, 1, strides, 'shortcut_conv')(x)) if project else x
+  return out, shortcut
 
 
 class BasicBlock(nn.Module):
@@ -29,14 +44,8 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
-                                             conv_impl=self.conv_impl, name=name)
-    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
-    out = nn.relu(bn('bn1')(conv(self.planes, 3, self.strides, 'conv1')(x)))
-    out = bn('bn2')(conv(self.planes, 3, 1, 'conv2')(out))
-    shortcut = x
-    if self.strides != 1 or x.shape[-1] != self.planes:
-      shortcut = bn('shortcut_bn')(conv(self.planes, 1, self.strides, 'shortcut_conv')(x))
+    project = self.strides != 1 or x.shape[-1] != self.planes
+    out, shortcut = basic_branches(x, self.planes, self.strides, train, self.conv_impl, project)
     return nn.relu(out + shortcut)
 
 
@@ -49,9 +58,7 @@ class Bottleneck(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    conv = lambda f, k, s, name: layers.Conv(f, k, s, padding=k // 2, use_bias=False,
-                                             conv_impl=self.conv_impl, name=name)
-    bn = lambda name: layers.BatchNorm(use_running_average=not train, name=name)
+    conv, bn = layers.conv_bn(self.conv_impl, train)
     out_planes = self.expansion * self.planes
     out = nn.relu(bn('bn1')(conv(self.planes, 1, 1, 'conv1')(x)))
     out = nn.relu(bn('bn2')(conv(self.planes, 3, self.strides, 'conv2')(out)))
@@ -86,12 +93,9 @@ class CifarResNet(nn.Module):
       raise ValueError(f'block={self.block!r}; allowed: {BLOCKS}')
     if len(self.stage_sizes) != len(self.widths):
       raise ValueError(f'stage_sizes={self.stage_sizes} and widths={self.widths} differ in length')
-    if x.ndim != 4:
-      raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
+    layers.check_nhwc(x)
     block_cls = BasicBlock if self.block == 'basic' else Bottleneck
-    x = layers.Conv(self.widths[0], 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl,
-                    name='conv1')(x)
-    x = nn.relu(layers.BatchNorm(use_running_average=not train, name='bn1')(x))
+    x = layers.conv_bn_relu(x, self.widths[0], train, self.conv_impl)
     for i, (num_blocks, planes) in enumerate(zip(self.stage_sizes, self.widths)):
       for j in range(num_blocks):
         strides = 2 if (i > 0 and j == 0) else 1

@@ -25,11 +25,6 @@ import jax
 from fedjax_ssl.models import layers
 
 
-def _check_nhwc(x: jax.Array) -> None:
-  if x.ndim != 4:
-    raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
-
-
 class SmallCNN(nn.Module):
   """Benchmark CNN: [B, H, W, C] -> [B, 128] (28x28 -> 7x7x32 before the Dense layers)."""
   conv_features: Sequence[int] = (16, 32)
@@ -44,7 +39,7 @@ class SmallCNN(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train
-    _check_nhwc(x)
+    layers.check_nhwc(x)
     for i, f in enumerate(self.conv_features):
       x = layers.Conv(f, 3, 1, padding=1, conv_impl=self.conv_impl, name=f'conv{i + 1}')(x)
       x = layers.max_pool(nn.relu(x))
@@ -64,7 +59,7 @@ class HeteroCNN(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train
-    _check_nhwc(x)
+    layers.check_nhwc(x)
     x = layers.max_pool(nn.relu(layers.Conv(64, 5, 1, padding='VALID', conv_impl=self.conv_impl,
                                             name='conv1')(x)))
     x = layers.max_pool(nn.relu(layers.Conv(128, 5, 1, padding='VALID', conv_impl=self.conv_impl,
@@ -86,7 +81,7 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train
-    _check_nhwc(x)
+    layers.check_nhwc(x)
     layers.resolve_conv_impl(self.conv_impl)  # reject an invalid value like the conv encoders do
     x = x.reshape(x.shape[0], -1)
     for i, f in enumerate(self.features):

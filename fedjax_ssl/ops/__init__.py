@@ -14,5 +14,8 @@
                given kernel) and `cka_distance_to_aggregate` (the same from the feature matrices, memory
                O(Σ d_j²) instead of O(L²))
 
+  numerics.py  helpers the ops and the SSL losses share: `as_float` (at least float32),
+               `check_positive` (a concrete number must be > 0)
+
 Prototypes (representation sharing) arrive with their method.
 """

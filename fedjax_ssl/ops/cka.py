@@ -32,16 +32,20 @@ All functions are pure, jittable and differentiable; they compute in the inputs'
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from fedjax_ssl.ops.numerics import as_float
 
-def _as_float(x: jax.Array) -> jax.Array:
-  """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+def _float_pair(name: str, x: jax.Array, y: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """x [L, d1] and y [L, d2] as floats; raises naming `name` for any other shapes."""
+  x, y = as_float(x), as_float(y)
+  if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+    raise ValueError(f'{name} needs x [L, d1] and y [L, d2]; got {x.shape} and {y.shape}')
+  return x, y
 
 
 def _centre_rows(x: jax.Array, centered: bool) -> jax.Array:
@@ -67,7 +71,7 @@ def _groups(others: Sequence[jax.Array], weights: Sequence[jax.Array], dtype=Non
   if len(others) != len(weights) or not others:
     raise ValueError(f'need one weight vector per group and at least one group; got '
                      f'{len(others)} groups and {len(weights)} weight vectors')
-  others = [_as_float(g) for g in others]
+  others = [as_float(g) for g in others]
   weights = [jnp.asarray(w) for w in weights]
   dtype = jnp.result_type(*others) if dtype is None else dtype
   length = {g.shape[1] if g.ndim == 3 else None for g in others}
@@ -92,9 +96,7 @@ def linear_cka(x: jax.Array, y: jax.Array, centered: bool = True, eps: float = 1
   Returns:
     float scalar in [0, 1].
   """
-  x, y = _as_float(x), _as_float(y)
-  if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
-    raise ValueError(f'linear_cka needs x [L, d1] and y [L, d2]; got {x.shape} and {y.shape}')
+  x, y = _float_pair('linear_cka', x, y)
   x, y = _centre_rows(x, centered), _centre_rows(y, centered)
   return _ratio(jnp.sum((y.T @ x) ** 2), jnp.sum((x.T @ x) ** 2), jnp.sum((y.T @ y) ** 2), eps)
 
@@ -140,9 +142,7 @@ def rbf_cka(x: jax.Array, y: jax.Array, sigma_frac: float = 0.5, centered: bool 
   Returns:
     float scalar in [0, 1].
   """
-  x, y = _as_float(x), _as_float(y)
-  if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
-    raise ValueError(f'rbf_cka needs x [L, d1] and y [L, d2]; got {x.shape} and {y.shape}')
+  x, y = _float_pair('rbf_cka', x, y)
   k = _centre_gram(_rbf_gram(x, sigma_frac), centered)
   m = _centre_gram(_rbf_gram(y, sigma_frac), centered)
   return _ratio(jnp.sum(k * m), jnp.sum(k * k), jnp.sum(m * m), eps)
@@ -178,7 +178,7 @@ def cka_distance_to_kernel(a: jax.Array, kbar: jax.Array, centered: bool = True,
   Returns:
     float scalar in [0, 1].
   """
-  a = _as_float(a)
+  a = as_float(a)
   kbar = jnp.asarray(kbar, a.dtype)
   if a.ndim != 2 or kbar.shape != (a.shape[0],) * 2:
     raise ValueError(f'need a [b, d] and kbar [b, b]; got {a.shape} and {kbar.shape}')
@@ -206,7 +206,7 @@ def cka_distance_to_aggregate(a: jax.Array, others: Sequence[jax.Array],
   Returns:
     float scalar in [0, 1] (for non-negative weights).
   """
-  a = _as_float(a)
+  a = as_float(a)
   if a.ndim != 2:
     raise ValueError(f'a must be [L, d]; got {a.shape}')
   groups = [(_centre_rows(g, centered), w) for g, w in _groups(others, weights, a.dtype)]

@@ -7,26 +7,15 @@ All functions are pure and jittable; float64 inputs stay float64.
 """
 from __future__ import annotations
 
-import numbers
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from fedjax_ssl.ops.numerics import as_float, check_positive
+
 # A zero row has norm 0: clamping the squared norm keeps NormClip's gradient finite there.
 _NORM_EPS = 1e-12
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-  """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _check_positive(name: str, value: Any) -> None:
-  """Raises for a concrete Python number <= 0; traced values cannot be checked and pass through."""
-  if isinstance(value, numbers.Real) and not value > 0:
-    raise ValueError(f'{name} must be > 0, got {value!r}')
 
 
 def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
@@ -41,8 +30,8 @@ def norm_clip(z: jax.Array, sqrt_mu: float) -> jax.Array:
   Returns:
     float [..., H].
   """
-  _check_positive('sqrt_mu', sqrt_mu)
-  z = _as_float(z)
+  check_positive('sqrt_mu', sqrt_mu)
+  z = as_float(z)
   sq = jnp.maximum(jnp.sum(z * z, axis=-1, keepdims=True), _NORM_EPS ** 2)
   return jnp.where(sq < sqrt_mu ** 2, z, sqrt_mu * z * jax.lax.rsqrt(sq))
 
@@ -61,7 +50,7 @@ def multiview_correlations(zs: jax.Array, mask: Optional[jax.Array] = None
   Returns:
     (R̂, R̂⁺), float [H, H] each, symmetric.
   """
-  zs = _as_float(zs)
+  zs = as_float(zs)
   if zs.ndim != 3 or zs.shape[0] % 2:
     raise ValueError(f'zs must be [2V, B, H] with an even number of views; got {zs.shape}')
   b = zs.shape[1]
@@ -86,7 +75,7 @@ def correlation_matrices(z0: jax.Array, z1: jax.Array) -> Tuple[jax.Array, jax.A
   if jnp.ndim(z0) != 2 or jnp.shape(z0) != jnp.shape(z1):
     raise ValueError(f'expected equal 2-D shapes [B, H]; got z0={jnp.shape(z0)}, '
                      f'z1={jnp.shape(z1)}')
-  return multiview_correlations(jnp.stack([_as_float(z0), _as_float(z1)]))
+  return multiview_correlations(jnp.stack([as_float(z0), as_float(z1)]))
 
 
 def view_sum_correlation(z: jax.Array, sqrt_mu: Optional[float], mask: jax.Array) -> jax.Array:
@@ -99,7 +88,7 @@ def view_sum_correlation(z: jax.Array, sqrt_mu: Optional[float], mask: jax.Array
   Returns:
     float [H, H] (un-normalised; divide by V·|D_j| once the client's chunks are summed).
   """
-  z = _as_float(z)
+  z = as_float(z)
   if sqrt_mu is not None:
     z = norm_clip(z, sqrt_mu)
   z = z * mask[None, :, None].astype(z.dtype)

@@ -30,6 +30,8 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
+from fedjax_ssl.ops.numerics import as_float
+
 REDUCTIONS = ('mean', 'sum')
 
 # Sums of features against one-hot weights are exact selections; the default matmul precision of
@@ -39,12 +41,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 # nn.BCELoss clamps each log at -100 so that h = 0 or 1 gives a finite loss.
 _LOG_CLAMP = -100.0
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-  """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _safe_divide(sums: jax.Array, totals: jax.Array) -> jax.Array:
@@ -75,7 +71,7 @@ def class_means(features: jax.Array, labels: jax.Array, valid: jax.Array, num_cl
     means [C, d] (exactly 0 for a class without valid rows) and counts [C] (float, the features'
     dtype: they become weights of the server's averages).
   """
-  features = _as_float(features)
+  features = as_float(features)
   labels = jnp.asarray(labels)
   used = jnp.asarray(valid, bool) & (labels >= 0) & (labels < num_classes)
   weights = _class_weights(labels, used, num_classes, features.dtype)
@@ -141,7 +137,7 @@ def global_prototypes(means: jax.Array, counts: jax.Array) -> jax.Array:
   Returns:
     float [C, d]; exactly 0 for a class with zero total count.
   """
-  means = _as_float(means)
+  means = as_float(means)
   counts = jnp.asarray(counts, means.dtype)
   # A client's mean of an empty class is 0 by construction, but callers may pass anything there:
   # masking by count > 0 keeps a stray nan/inf of a zero-weight client out of the sum.
@@ -205,8 +201,8 @@ def prob_product(student_logits: jax.Array, teacher_logits: jax.Array, temperatu
   Returns:
     float [b, K].
   """
-  student = jax.nn.softmax(_as_float(student_logits) / temperature, axis=-1)
-  teacher = jax.nn.softmax(_as_float(teacher_logits) / temperature, axis=-1)
+  student = jax.nn.softmax(as_float(student_logits) / temperature, axis=-1)
+  teacher = jax.nn.softmax(as_float(teacher_logits) / temperature, axis=-1)
   return jnp.einsum('bc,kc->bk', student, teacher, precision=_HIGHEST)
 
 
@@ -249,7 +245,7 @@ def disc_bce(h: jax.Array, labels: jax.Array, reduction: str = 'mean') -> jax.Ar
   """
   if reduction not in REDUCTIONS:
     raise ValueError(f'reduction must be one of {REDUCTIONS}; got {reduction!r}')
-  h = _as_float(h)
+  h = as_float(h)
   targets = jax.nn.one_hot(labels, h.shape[-1], dtype=h.dtype)
   # Clamping before multiplying by the target keeps 0 * (-inf) out of the loss.
   loss = -(targets * _clamped_log(h) + (1.0 - targets) * _clamped_log1m(h))

@@ -9,7 +9,7 @@ solved by projected steepest descent with an exact line search (Eq. 6). The quad
 Q = tau_a Phi_r^T Phi_r + tau_b Phi_c^T Phi_c of Eq. 5 is B^2 x B^2; it is never formed: its
 products reduce to row and column sums (`_gradient`, `_curvature`), O(B^2) per iteration.
 
-Two findings shape the defaults (BUILD_NOTES "FedU2"):
+Two findings shape the defaults (docs/notes/fedu2.md):
   * at pi = 0 the gradient is C_ij - tau_a a_i - tau_b b_j, so pi* = 0 exactly (FUR has no gradient)
     whenever every cost exceeds tau_a a_i + tau_b b_j. With probability marginals a = b = 1/B and
     tau = 0.8 that holds for any batch on the sphere; the default marginals carry unit mass per

@@ -4,7 +4,7 @@ All losses are pure `jax.numpy` functions of row-major batches (rows are samples
 is a mean over the batch. Inputs in a lower precision than float32 (bf16/f16 model outputs) are promoted to
 float32 before any reduction; float64 inputs stay float64.
 
-Conventions follow the authors' code where the papers leave them open (BUILD_NOTES 'Losses and evaluation'):
+Conventions follow the authors' code where the papers leave them open (docs/notes/evaluation.md#losses-and-evaluation):
   * BYOL: EasyFL `loss_one + loss_two`, each `2 - 2 cos` averaged over the batch (EasyFL = the FedU/FedEMA code; the
     FedU2 code uses the same loss).
   * SimSiam: `½ D(p1, sg z2) + ½ D(p2, sg z1)`, `D = -cos` (EasyFL).
@@ -22,21 +22,10 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_ssl.ops.correlation import norm_clip
+from fedjax_ssl.ops.numerics import as_float, check_positive
 
 # F.normalize's default: the norm is clamped from below at eps, so an all-zero row maps to zero (no NaN).
 _NORM_EPS = 1e-12
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-  """Promotes to at least float32 (keeps float64 when x64 is enabled)."""
-  x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _check_concrete_positive(name: str, value: Any) -> None:
-  """Raises for a concrete Python number <= 0; traced values cannot be checked and pass through."""
-  if isinstance(value, numbers.Real) and not value > 0:
-    raise ValueError(f'{name} must be > 0, got {value!r}')
 
 
 def _check_same_2d(names: Tuple[str, ...], *arrays: jax.Array) -> None:
@@ -59,7 +48,7 @@ def l2_normalize(x: jax.Array) -> jax.Array:
   Returns:
     float [..., d] with unit-norm rows (zero rows stay zero).
   """
-  x = _as_float(x)
+  x = as_float(x)
   return x * jax.lax.rsqrt(_safe_sq_norm(x))
 
 
@@ -112,7 +101,7 @@ def nt_xent(z1: jax.Array, z2: jax.Array, temperature: float, zero_diagonal: boo
     scalar, the cross-entropy averaged over the 2B anchors.
   """
   _check_same_2d(('z1', 'z2'), z1, z2)
-  _check_concrete_positive('temperature', temperature)
+  check_positive('temperature', temperature)
   b = jnp.shape(z1)[0]
   z = l2_normalize(jnp.concatenate([z1, z2], axis=0))
   logits = (z @ z.T) / temperature
@@ -138,7 +127,7 @@ def spectral_contrastive_loss(z0: jax.Array,
       loss     = posloss + negaloss                             (= 2 x the paper's L̂_j with q_j -> alpha)
 
   Without `r_global` (FedAvg+SC, or FedSC before the first share) `alpha` is not used, as in the code,
-  where the shared-matrix term only exists once a matrix was received (BUILD_NOTES 'Losses and evaluation').
+  where the shared-matrix term only exists once a matrix was received (docs/notes/evaluation.md#losses-and-evaluation).
 
   Args:
     z0, z1: float [B, H], projector outputs of the two views.
@@ -155,9 +144,9 @@ def spectral_contrastive_loss(z0: jax.Array,
   if r_global is not None and jnp.shape(r_global) != (h, h):
     raise ValueError(f'r_global must have shape {(h, h)} (H = feature dim of z), got {jnp.shape(r_global)}')
   if mu is not None:
-    _check_concrete_positive('mu', mu)
+    check_positive('mu', mu)
     z0, z1 = norm_clip(z0, jnp.sqrt(mu)), norm_clip(z1, jnp.sqrt(mu))
-  z0, z1 = _as_float(z0), _as_float(z1)
+  z0, z1 = as_float(z0), as_float(z1)
   b = jnp.shape(z0)[0]
   if mask is not None:
     m = mask[:, None].astype(z0.dtype)
@@ -167,7 +156,7 @@ def spectral_contrastive_loss(z0: jax.Array,
   frob_sq = jnp.sum(r_hat * r_hat)
   if r_global is None:
     return posloss + frob_sq
-  r_global = jax.lax.stop_gradient(_as_float(r_global))
+  r_global = jax.lax.stop_gradient(as_float(r_global))
   # R̂ is symmetric, so Tr(R̂ R_global) = Σ_ik R̂_ik R_global_ik, also for a non-symmetric (DP-noised) R_global.
   return posloss + alpha * frob_sq + 2.0 * (1.0 - alpha) * jnp.sum(r_hat * r_global)
 
@@ -199,4 +188,4 @@ def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
   if jnp.ndim(logits) != 2 or jnp.shape(labels) != jnp.shape(logits)[:1]:
     raise ValueError(f'expected logits [B, K] and labels [B]; got logits {jnp.shape(logits)}, '
                      f'labels {jnp.shape(labels)}')
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(_as_float(logits), labels))
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(as_float(logits), labels))

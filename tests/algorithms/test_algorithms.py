@@ -1,6 +1,6 @@
 """The server/client rules of FedAvg, FedU and FedEMA, the divergence, the weighted average and the
 optimiser/schedule, checked against hand-written numpy versions of the formulas of EasyFL (the
-FedU/FedEMA authors' code; BUILD_NOTES.md "Algorithms")."""
+FedU/FedEMA authors' code; docs/notes/fedssl.md#algorithms)."""
 import dataclasses
 import math
 
@@ -11,7 +11,7 @@ import pytest
 
 from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import fedavg, fedema, fedu, ssl_client
-from fedjax_ssl.algorithms.base import restore_client, weighted_mean
+from fedjax_ssl.core.algorithm import restore_client, weighted_mean
 from fedjax_ssl.algorithms.divergence import conv_divergence
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment

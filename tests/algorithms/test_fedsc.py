@@ -95,13 +95,13 @@ def test_planned_shares_are_the_counts_the_round_step_makes():
   algo = fedsc.make(_spec(), num_rounds=config.rounds, share_start=1, share_every=2,
                     calr_views=1, calr_batch=16)
   clients, server = algo.init(jax.random.PRNGKey(0), config.num_clients)
-  prepare = jax.jit(algo.prepare)
+  prepare = jax.jit(algo.prepare.fn)
   data, run_key = _data(), experiment.run_keys(config)[1]
   for r in range(config.rounds):
     key = rng.round_key(run_key, r)
     ids = rd.sample_participants(key, config.num_clients, config.clients_per_round)
     server = prepare(FedState(clients, server, jnp.int32(r)), data, ids, key)
-  planned = experiment.planned_shares(config)
+  planned = fedsc.planned_shares(config)
   np.testing.assert_array_equal(np.asarray(server['shares']), planned)
   # Share rounds t = 2 (everyone), 4, 6 (2 of 4 each): 1 + 2 * 2 / 4 on average, unequal here.
   assert planned.sum() == 4 + 2 + 2 and planned.min() >= 1
@@ -148,16 +148,16 @@ def test_an_unreachable_epsilon_is_refused_before_training():
   sizes = np.array([400, 400, 300, 500])
   with pytest.raises(cv.ConfigError, match=re.escape('config.fedsc.target_epsilon = 3.0 cannot be '
                                                      'met: with fedsc.sigma = 0.001')):
-    experiment.privacy_plan(config, sizes)
+    fedsc.privacy_plan(config, sizes)
   # sigma = 0 calibrates: the planned epsilon meets the target and is within 0.1% of it.
   config.fedsc.sigma = 0.0
-  sigma, ledger, summary = experiment.privacy_plan(config, sizes)
+  sigma, ledger, summary = fedsc.privacy_plan(config, sizes)
   assert 0.99 * 3.0 <= summary['planned_epsilon'] <= 3.0
-  assert ledger.max_epsilon(experiment.planned_shares(config)) == summary['planned_epsilon']
+  assert ledger.max_epsilon(fedsc.planned_shares(config)) == summary['planned_epsilon']
   assert summary['sigma'] == sigma > 0.001
   # The code's linear sigma scaling makes the same nominal sigma far weaker under 2/4 clients.
   config.fedsc.update(sigma=sigma, target_epsilon=0.0, sigma_partial='linear')
-  assert experiment.privacy_plan(config, sizes)[2]['planned_epsilon'] > 3.0 * 1.5
+  assert fedsc.privacy_plan(config, sizes)[2]['planned_epsilon'] > 3.0 * 1.5
 
 
 @pytest.mark.parametrize('overrides,message', [

@@ -162,7 +162,7 @@ def test_fedu2_needs_an_ssl_method_and_rejects_unknown_sub_keys():
 
 
 def test_tables_override_sub_config_keys_with_dots():
-  table = reproduce.load_table('configs/tables/fedu2_table2.py', 'quick')
+  table = reproduce.load_table('configs/fedu2/table2.py', 'quick')
   row = 'FedU2-FUR-BYOL (no FUR)'
   col = next(iter(table.columns))
   config = reproduce.cell_config(table, row, col, seed=1)

@@ -144,14 +144,14 @@ def _config(**hetero):
 
 def test_mix_assignment_is_recorded_and_covers_every_client():
   c = _config()
-  assert experiment.hetero_cohorts(c) == (('small_cnn', (0, 1, 2)), ('mlp', (3, 4)))
+  assert hetero_ssfl.cohort_groups(c) == (('small_cnn', (0, 1, 2)), ('mlp', (3, 4)))
   c.hetero_ssfl.assignment = 'shuffled'
-  groups = experiment.hetero_cohorts(c)
+  groups = hetero_ssfl.cohort_groups(c)
   assert sorted(i for _, m in groups for i in m) == list(range(5))
   assert [len(m) for _, m in groups] == [3, 2]
-  assert groups == experiment.hetero_cohorts(c)  # a pure function of the seed
+  assert groups == hetero_ssfl.cohort_groups(c)  # a pure function of the seed
   c.seed = 1
-  others = [experiment.hetero_cohorts(c) for c.seed in range(1, 6)]
+  others = [hetero_ssfl.cohort_groups(c) for c.seed in range(1, 6)]
   assert any(o != groups for o in others)
 
 

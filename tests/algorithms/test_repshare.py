@@ -12,11 +12,11 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import fd, fedavg, repshare, ssl_client
-from fedjax_ssl.algorithms.base import LocalData
+from fedjax_ssl.core.algorithm import LocalData
 from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
-from fedjax_ssl.data.types import FedData
+from fedjax_ssl.data.types import DataInfo, FedData
 from fedjax_ssl.models import layers
 from fedjax_ssl.ops import prototypes
 from tests import reference
@@ -343,7 +343,7 @@ def _config(**kw):
     (dict(ssl_method='byol'), "ssl_method = 'byol' is invalid for algorithm 'repshare'"),
     (dict(algorithm='fd', ssl_method='simclr'), "ssl_method = 'simclr' is invalid for algorithm 'fd'"),
     (dict(num_clients=1, clients_per_round=1), 'num_clients = 1 is invalid'),
-    ({'hetero_ssfl.mix': 'lenet5:3'}, "need algorithm 'hetero_ssfl'"),
+    ({'hetero_ssfl.mix': 'lenet5:3'}, "only algorithm 'hetero_ssfl' reads it"),
     ({'repshare.reduction': 'max'}, 'repshare.reduction'),
     ({'repshare.partner': 'all'}, 'repshare.partner'),
     ({'repshare.n_avg': 0}, 'repshare.n_avg'),
@@ -377,7 +377,7 @@ def test_evaluate_reports_each_clients_test_accuracy():
       state.clients['params'], head=dict(head, kernel=jnp.asarray(kernel)))))
   out = experiment.evaluate(config, algo, state, dataset)
   assert set(out) == {'test_acc', 'test_acc_client_std', 'test_acc_clients'}
-  model = experiment.client_spec(config, dataset).model
+  model = ssl_client.spec_from_config(config, DataInfo.of(dataset)).model
   x = (dataset.test_x.astype(np.float32) / 255 - dataset.mean[0]) / dataset.std[0]
   accs = []
   for c in range(3):

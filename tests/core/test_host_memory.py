@@ -1,6 +1,8 @@
-"""core/host_memory: with fedjax_ssl imported, repeated XLA:CPU executions reuse freed temporaries
-instead of page-faulting fresh ones: mostly with the default 'keep', fully with 'one_arena';
+"""core/host_memory: once `keep_freed_memory()` has run (the binaries call it at their start;
+importing fedjax_ssl does not), repeated XLA:CPU executions reuse freed temporaries instead of
+page-faulting fresh ones: mostly with the default 'keep', fully with 'one_arena';
 FEDJAX_SSL_MALLOC=system keeps glibc's behaviour (every call faults its temporaries in again)."""
+import ast
 import os
 import pathlib
 import platform
@@ -18,10 +20,11 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 _PROBE = r'''
 import resource
 import numpy as np
-import fedjax_ssl  # noqa: F401  (its import applies core/host_memory)
+from fedjax_ssl.core import host_memory
+host_memory.keep_freed_memory()  # as the binaries do at their start
 import jax, jax.numpy as jnp
 from fedjax_ssl import experiment
-from fedjax_ssl.algorithms.base import restore_client
+from fedjax_ssl.core.algorithm import restore_client
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import Dataset
 c = experiment.default_config()
@@ -81,3 +84,64 @@ def test_unknown_mode_is_a_clear_error(monkeypatch):
   with pytest.raises(ValueError, match=r"FEDJAX_SSL_MALLOC = 'jemalloc' is invalid: must be one "
                                        r"of \('keep', 'one_arena', 'system'\)"):
     host_memory.keep_freed_memory()
+
+
+# Whether glibc serves a 64 MiB malloc with mmap (its default: the block is above the largest mmap
+# threshold, 32 MiB) or from the heap (M_MMAP_MAX = 0), read from mallinfo2's mmapped bytes; before
+# and after `keep_freed_memory()`, with fedjax_ssl (and with it jax) imported first.
+_MMAP_PROBE = r'''
+import ctypes
+import fedjax_ssl
+libc = ctypes.CDLL(None)
+class MallInfo2(ctypes.Structure):
+  _fields_ = [(f, ctypes.c_size_t) for f in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd',
+              'usmblks', 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+def mmapped():
+  before = libc.mallinfo2().hblkhd
+  block = libc.malloc(64 << 20)
+  grew = libc.mallinfo2().hblkhd - before >= 64 << 20
+  libc.free(block)
+  return grew
+print(mmapped(), fedjax_ssl.core.host_memory.keep_freed_memory(), mmapped())
+'''
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='the settings are glibc mallopt')
+def test_importing_fedjax_ssl_leaves_malloc_alone():
+  env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS='cpu')
+  env.pop('FEDJAX_SSL_MALLOC', None)  # the default, 'keep'
+  out = subprocess.run([sys.executable, '-c', _MMAP_PROBE], env=env, check=True,
+                       capture_output=True, text=True, timeout=300)
+  # mmapped after the import (glibc's defaults), then glibc accepted 'keep': no mmap any more.
+  assert out.stdout.split() == ['True', 'True', 'False'], out.stdout
+
+
+def _top_level_calls_and_imports(path: pathlib.Path):
+  """The binary's top-level statements, in order: ('import', module) for every import and
+  ('call', source) for every call statement under `if __name__ == '__main__':`."""
+  events = []
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, ast.Import):
+      events += [('import', alias.name) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      events.append(('import', node.module))
+    elif isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+      events += [('call', ast.unparse(s)) for s in node.body if isinstance(s, ast.Expr)]
+  return events
+
+
+@pytest.mark.parametrize('binary', ['train', 'benchmark', 'reproduce'])
+def test_binaries_keep_freed_memory_at_process_start(binary):
+  events = _top_level_calls_and_imports(REPO / 'experiments' / f'{binary}.py')
+  call = events.index(('call', 'host_memory.keep_freed_memory()'))
+  # Before it: only the standard library, absl and host_memory itself; jax and the rest after it.
+  before = [module for kind, module in events[:call] if kind == 'import']
+  assert 'fedjax_ssl.core' in before, before
+  assert not [m for m in before
+              if m != 'fedjax_ssl.core' and m.split('.')[0] not in sys.stdlib_module_names
+              and m.split('.')[0] not in ('__future__', 'absl')], before
+  after = [module for kind, module in events[call:] if kind == 'import']
+  assert 'jax' in after, after

@@ -20,7 +20,7 @@ import pytest
 
 from fedjax_ssl import models
 from fedjax_ssl.algorithms import fedavg, fedema, fedsc, fedu, fedu2, independent, ssl_client
-from fedjax_ssl.core import optim, rng
+from fedjax_ssl.core import baselines, optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import FedData
@@ -170,7 +170,7 @@ def _overlay(full, stored):
 
 def _persisted(algo, clients):
   """What the engine stores of whole stacked client states."""
-  return clients if algo.persist is None else jax.vmap(algo.persist)(clients)
+  return clients if algo.stateless is None else jax.vmap(algo.stateless.persist)(clients)
 
 
 # float64 rounding (eps 1.1e-16) amplified through a round of these chaotic 8-sample BatchNorm
@@ -203,9 +203,9 @@ def _assert_tree_close(actual, expected, what):
 
 def _make_step(algo, cfg, baseline=None):
   if baseline == 'sequential':
-    return rd.make_sequential_round_step(algo, cfg, NUM_CLIENTS)
+    return baselines.make_sequential_round_step(algo, cfg, NUM_CLIENTS)
   if baseline == 'stepwise':
-    return rd.make_stepwise_round_step(algo, cfg, NUM_CLIENTS)
+    return baselines.make_stepwise_round_step(algo, cfg, NUM_CLIENTS)
   return rd.make_round_step(algo, cfg, NUM_CLIENTS, donate=False)
 
 

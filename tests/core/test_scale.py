@@ -19,6 +19,7 @@ import pytest
 
 from fedjax_ssl.core import local, rng
 from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.algorithm import Prepare
 from tests.core import test_round_equivalence as eq
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -78,7 +79,8 @@ def test_vmapped_training_runs_its_real_steps(shrink, executed):
 
 
 def test_host_client_state_refuses_a_prepare_that_reads_clients():
-  algo = dataclasses.replace(eq._algo('fedema')[0], prepare_reads_clients=True)
+  reads = Prepare(lambda state, data, ids, key: state.server, reads_clients=True)
+  algo = dataclasses.replace(eq._algo('fedema')[0], prepare=reads)
   with pytest.raises(ValueError, match="client_state = 'host' is invalid for algorithm 'fedema'"):
     rd.make_round_step(algo, eq._round_cfg('vmap', 3, client_state='host'), eq.NUM_CLIENTS)
 

@@ -316,7 +316,7 @@ def test_conv_vmap_over_client_weights():
 def test_patch_matmul_gradient_is_the_matmul_gradient_as_plain_gemms():
   """patch_matmul's custom gradient equals d(cols @ k) exactly (float64 numpy), under vmap too, and
   its kernel gradient compiles to a GEMM on the materialised transpose, not to a dot contracting
-  both operands' leading axis (XLA:CPU's slow path, BUILD_NOTES "Cross-device round")."""
+  both operands' leading axis (XLA:CPU's slow path, docs/notes/performance.md#cross-device-round)."""
   with jax.enable_x64(True):
     cols = randn(1, (3, 40, 12)).astype(np.float64)
     kmat = randn(2, (3, 12, 5)).astype(np.float64)

@@ -48,6 +48,17 @@ def client_vectors(kind, k, seed):
   raise AssertionError(kind)
 
 
+def gram(kind, k, seed):
+  """G = AᵀA [K, K] of `client_vectors(kind, k, seed)`."""
+  a = client_vectors(kind, k, seed)
+  return a.T @ a
+
+
+def sizes(kind, ks):
+  """The K of `ks` a kind is used at: 'origin_in_hull' needs K ≥ 10 (see `client_vectors`)."""
+  return [k for k in ks if not (kind == 'origin_in_hull' and k < 10)]
+
+
 def reference_min_norm(a):
   """Exact min-norm weights by Lawson–Hanson NNLS (a finite active-set method, independent of ours).
 
@@ -84,7 +95,7 @@ def solve(g, method='exact', **kw):
 
 
 def cases():
-  return [(kind, k) for kind in KINDS for k in KS if not (kind == 'origin_in_hull' and k < 10)]
+  return [(kind, k) for kind in KINDS for k in sizes(kind, KS)]
 
 
 # ----------------------------------------------------------------------------- exact solver
@@ -110,7 +121,7 @@ def test_exact_matches_nnls_reference(kind, k):
 def test_exact_matches_scipy_slsqp():
   """A second, generic reference (SLSQP) on small problems, where it converges to full precision."""
   for kind, k in [('full', 10), ('vertex', 10), ('rank_deficient', 10), ('interior', 3)]:
-    g = (lambda a: a.T @ a)(client_vectors(kind, k, seed=7))
+    g = gram(kind, k, seed=7)
     res = scipy.optimize.minimize(
         lambda p: p @ g @ p, np.full(k, 1 / k), jac=lambda p: 2 * g @ p, method='SLSQP',
         bounds=[(0, None)] * k, constraints=[{'type': 'eq', 'fun': lambda p: p.sum() - 1}],
@@ -123,17 +134,13 @@ def test_exact_matches_scipy_slsqp():
 
 @pytest.mark.parametrize('kind', KINDS)
 def test_theorem1_equal_directional_derivatives_of_active_clients(kind):
-  for k in (3, 50, 100):
-    if kind == 'origin_in_hull' and k < 10:
-      continue
-    a = client_vectors(kind, k, seed=100 + k)
-    g = a.T @ a
+  for k in sizes(kind, (3, 50, 100)):
+    g = gram(kind, k, seed=100 + k)
     assert kkt_residual(g, solve(g)) <= KKT_TOL, (kind, k)
 
 
 def test_kkt_check_rejects_non_optimal_weights():
-  a = client_vectors('full', 10, seed=3)
-  g = a.T @ a
+  g = gram('full', 10, seed=3)
   p = solve(g)
   assert kkt_residual(g, p) <= KKT_TOL
   moved = p.copy()
@@ -163,11 +170,8 @@ def test_project_simplex_matches_bisection_reference():
 def test_admm_reaches_exact_optimum(kind):
   # Measured (5 kinds of G like these, K ∈ {50, 100}, 3 seeds; c = 10, ρ = 1): ≤ 300 iterations reach
   # 1e-5 relative, 500 (the default) ≤ 2e-6, 1000 ≤ 5e-9 (here: ≤ 1e-13). 1000 leaves a wide margin.
-  for k in (3, 10, 100):
-    if kind == 'origin_in_hull' and k < 10:
-      continue
-    a = client_vectors(kind, k, seed=200 + k)
-    g = a.T @ a
+  for k in sizes(kind, (3, 10, 100)):
+    g = gram(kind, k, seed=200 + k)
     p_exact, p_admm = solve(g), solve(g, 'admm', num_iters=1000, c=10.0, rho=1.0)
     f_exact, f_admm = p_exact @ g @ p_exact, p_admm @ g @ p_admm
     assert abs(f_admm - f_exact) <= 1e-5 * f_exact + OBJ_ATOL * np.trace(g) / k, (kind, k, f_admm, f_exact)
@@ -178,7 +182,7 @@ def test_admm_literal_is_a_clipped_ridge_solution():
   uniform = np.full(10, 0.1)
   # Interior optimum, large c: the ridge term vanishes and no clipping is needed, so it is near-exact
   # (measured: objective +1.5e-6 relative, weights 1.2e-3 apart in L1).
-  g = (lambda a: a.T @ a)(client_vectors('interior', 10, seed=0))
+  g = gram('interior', 10, seed=0)
   p_exact = solve(g)
   p = solve(g, 'admm_literal', c=1e3)
   assert p @ g @ p <= (1 + 1e-5) * (p_exact @ g @ p_exact)
@@ -190,7 +194,7 @@ def test_admm_literal_is_a_clipped_ridge_solution():
   assert p @ g @ p > 1.3 * (p_exact @ g @ p_exact)
   # Active nonnegativity constraints: clipping is not solving them, so even c = 1e3 is far from optimal
   # (measured: objective ×3.9), while the corrected ADMM is exact (at its default c).
-  g = (lambda a: a.T @ a)(client_vectors('full', 10, seed=0))
+  g = gram('full', 10, seed=0)
   p_exact = solve(g)
   assert np.count_nonzero(p_exact > ACTIVE) < 10
   p = solve(g, 'admm_literal', c=1e3)
@@ -204,7 +208,7 @@ def test_admm_literal_is_a_clipped_ridge_solution():
 @pytest.mark.parametrize('method', min_norm.METHODS)
 def test_weights_are_a_distribution(method):
   grams = [np.zeros((4, 4)), np.zeros((1, 1)), np.array([[2.5]])]
-  grams += [(lambda a: a.T @ a)(client_vectors(kind, 10, seed=5)) for kind in KINDS]
+  grams += [gram(kind, 10, seed=5) for kind in KINDS]
   for g in grams:
     p = solve(g, method)
     assert p.shape == (len(g),)
@@ -216,8 +220,7 @@ def test_weights_are_a_distribution(method):
 
 
 def test_float32_matches_float64_and_jits():
-  a = client_vectors('full', 50, seed=11)
-  g = a.T @ a
+  g = gram('full', 50, seed=11)
   p64 = solve(g)
   p32 = simplex_min_norm(jnp.asarray(g, jnp.float32))
   assert p32.dtype == jnp.float32

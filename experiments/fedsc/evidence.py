@@ -1,0 +1,157 @@
+r"""FedSC's privacy-utility evidence from a finished reproduce directory.
+
+  python -m experiments.reproduce --table configs/fedsc/dp.py --out docs/results/fedsc/fmnist_quick
+  python -m experiments.fedsc.evidence --out docs/results/fedsc/fmnist_quick
+
+For every row of the table (each a method or a privacy level) it reads the runs' results.json and
+metrics.jsonl and writes
+  OUT/privacy.md         epsilon from the run's own ledger (dp-accounting RDP), sigma, shares, and
+                         linear probe / kNN as mean +- std over seeds;
+  OUT/privacy_utility.png  probe and kNN accuracy against the ledger's epsilon (eps = inf at the
+                         right edge), FedAvg + SC as a horizontal reference;
+  OUT/knn_rounds.png     kNN accuracy against rounds per row, mean over seeds (the paper's Fig. 2).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+from absl import app, flags
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+from fedjax_ssl import logging_utils, reproduce
+
+_OUT = flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
+_TABLE = flags.DEFINE_string('table', 'configs/fedsc/dp.py', 'The table that made OUT.')
+_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds to read.')
+_SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES), 'Scale of the table.')
+
+
+def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
+  """row -> list of per-seed dicts (final metrics, privacy summary, kNN curve) of finished runs."""
+  rows = {}
+  for run in reproduce.plan_runs(table, seeds):
+    workdir = run.workdir(out)
+    if not (workdir / 'results.json').exists():
+      continue
+    results = json.loads((workdir / 'results.json').read_text())
+    records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+    curve = [(r['round'], r['knn_acc']) for r in records if 'knn_acc' in r]
+    for row, _ in run.cells:
+      rows.setdefault(row, []).append({'seed': run.seed, 'final': results['final'],
+                                       'algorithm': results['algorithm'],
+                                       'privacy': results.get('privacy', {}), 'knn_curve': curve})
+  return rows
+
+
+def _mean_std(values):
+  values = [100.0 * v for v in values]
+  std = float(np.std(values, ddof=1)) if len(values) > 1 else float('nan')
+  return float(np.mean(values)), std
+
+
+def summarize(rows: dict) -> list:
+  """One dict per row: epsilon (max over seeds), sigma, accuracies mean +- std in percent."""
+  out = []
+  for row, runs in rows.items():
+    # FedAvg + SC shares no matrix: the mechanism never runs (epsilon None, shown as '–').
+    shares_nothing = runs[0]['algorithm'] == 'fedavg_sc'
+    eps = [r['privacy'].get('epsilon', math.inf) for r in runs]
+    entry = {'row': row, 'n': len(runs), 'epsilon': None if shares_nothing else max(eps),
+             'sigma': runs[0]['privacy'].get('sigma', 0.0),
+             'shares_max': runs[0]['final'].get('shares_max')}
+    for metric in ('probe_acc', 'knn_acc', 'probe_std_acc'):
+      vals = [r['final'][metric] for r in runs if metric in r['final']]
+      if vals:
+        entry[metric] = _mean_std(vals)
+    out.append(entry)
+  return out
+
+
+def markdown(summary: list, title: str) -> str:
+  lines = [f'# {title}', '',
+           '| row | epsilon (ledger) | sigma | shares / client | linear probe (%) | kNN (%) | '
+           'probe, standardised (%) | seeds |', '|---|---|---|---|---|---|---|---|']
+  for e in summary:
+    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–'
+             for m in ('probe_acc', 'knn_acc', 'probe_std_acc')]
+    eps = ('– (shares nothing)' if e['epsilon'] is None else
+           '∞' if math.isinf(e['epsilon']) else f'{e["epsilon"]:.3f}')
+    sigma = f'{e["sigma"]:.4g}' if e['sigma'] else '0'
+    shares = '–' if e['shares_max'] is None else f'{int(e["shares_max"])}'
+    lines.append(f'| {e["row"]} | {eps} | {sigma} | {shares} | ' + ' | '.join(cells) +
+                 f' | {e["n"]} |')
+  return '\n'.join(lines) + '\n'
+
+
+def plot_privacy_utility(summary: list, path: pathlib.Path) -> None:
+  """Accuracy against epsilon; eps = inf drawn at 2x the largest finite epsilon."""
+  finite = [e['epsilon'] for e in summary
+            if e['epsilon'] is not None and math.isfinite(e['epsilon'])]
+  inf_x = 2 * max(finite) if finite else 1.0
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, metric, label in zip(axes, ('probe_acc', 'knn_acc'), ('linear probe (%)', 'kNN (%)')):
+    for e in summary:
+      if metric not in e:
+        continue
+      mean, std = e[metric]
+      if e['epsilon'] is None:  # FedAvg + SC: the reference line
+        ax.axhline(mean, color='gray', ls='--', label=e['row'])
+        continue
+      x = e['epsilon'] if math.isfinite(e['epsilon']) else inf_x
+      ax.errorbar([x], [mean], yerr=[0 if math.isnan(std) else std], fmt='o', capsize=4,
+                  label=e['row'])
+    ax.set_xscale('log')
+    ax.set_xlabel(f'epsilon (ledger; inf drawn at {inf_x:.3g})')
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
+  fig.suptitle('FedSC privacy-utility (mean ± std over seeds)')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_knn_rounds(rows: dict, path: pathlib.Path) -> None:
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for row, runs in rows.items():
+    curves = [dict(r['knn_curve']) for r in runs]
+    rounds = sorted(set.intersection(*(set(c) for c in curves)))
+    mean = [100 * np.mean([c[t] for c in curves]) for t in rounds]
+    ax.plot(rounds, mean, marker='o', label=row)
+  ax.set_xlabel('round')
+  ax.set_ylabel('kNN accuracy (%)')
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  ax.set_title('kNN against rounds (mean over seeds; round 0 = random init)')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  out = pathlib.Path(_OUT.value)
+  table = reproduce.load_table(_TABLE.value, _SCALE.value)
+  rows = collect(table, [int(s) for s in _SEEDS.value], out)
+  if not rows:
+    raise app.UsageError(f'no finished runs of {table.name} under {out}/runs')
+  summary = summarize(rows)
+  (out / 'privacy.md').write_text(markdown(summary, table.title))
+  # Strict JSON has no Infinity: 'inf' for FedSC without DP, null for FedAvg + SC (no matrices).
+  (out / 'privacy.json').write_text(json.dumps(
+      [dict(e, epsilon=e['epsilon'] if e['epsilon'] is not None and math.isfinite(e['epsilon'])
+            else None if e['epsilon'] is None else 'inf') for e in summary],
+      indent=2))
+  plot_privacy_utility(summary, out / 'privacy_utility.png')
+  plot_knn_rounds(rows, out / 'knn_rounds.png')
+  print(markdown(summary, table.title))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,122 @@
+r"""Representation geometry of trained runs: Wang-Isola alignment and uniformity, the covariance
+spectrum and its effective rank (FedU2's dimensional-collapse argument, its Fig. 3).
+
+  python -m experiments.fedu2.evidence --out docs/results/fedu2/fmnist_quick
+
+Reads every run under OUT/runs/<cell>/seed<k> written by experiments.reproduce, restores its last
+checkpoint (read-only) and the run's own random-init encoder, and measures on the test split
+  * uniformity: log mean exp(-2 |f(x) - f(x')|^2) over pairs of --num_images l2-normalised backbone
+    features (lower = more uniform on the sphere);
+  * alignment: mean |f(v1) - f(v2)|^2 over two augmented views of the same images (the run's
+    augmentation; lower = better aligned);
+  * spectrum: singular values of the feature covariance of all test images; effective rank.
+Writes OUT/geometry.json, OUT/geometry.md (mean +- std over seeds per cell) and OUT/spectrum.png
+(log singular values, mean over seeds, per cell, random init dashed).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import statistics
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+from fedjax_ssl import checkpoint, experiment
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.data import augment
+from fedjax_ssl.eval import geometry
+from fedjax_ssl.ssl.losses import l2_normalize
+
+_OUT = flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
+_NUM = flags.DEFINE_integer('num_images', 2000, 'Test images for uniformity and alignment.')
+
+METRICS = ('uniformity', 'alignment', 'effective_rank')
+
+
+def measure(algo, state, dataset, config, num_images: int) -> dict:
+  """Geometry of one state's evaluated encoder on the test split."""
+  variables, per_client = algo.eval_variables(state)
+  if per_client:
+    raise ValueError(f'{algo.name}: personalised encoders are not supported here')
+  feats = np.asarray(experiment.encoder_features(algo, variables, False, dataset.test_x, dataset))
+  sub = dataset.test_x[:num_images]
+  aug = augment.preset(config.augmentation, dataset.image_shape[0])
+  views = []
+  for k in jax.random.split(jax.random.PRNGKey(0), 2):
+    x = augment.augment_batch(k, jnp.asarray(sub), aug)
+    x = (np.asarray(augment.normalize(x, dataset.mean, dataset.std)))
+    views.append(np.asarray(algo.encoder_apply(variables, jnp.asarray(x))))
+  z = l2_normalize(jnp.asarray(feats[:num_images]))
+  spectrum = np.asarray(geometry.covariance_spectrum(jnp.asarray(feats)))
+  return {'uniformity': float(geometry.uniformity(z)),
+          'alignment': float(geometry.alignment(l2_normalize(jnp.asarray(views[0])),
+                                                l2_normalize(jnp.asarray(views[1])))),
+          'effective_rank': float(geometry.effective_rank(jnp.asarray(feats))),
+          'spectrum': spectrum.tolist()}
+
+
+def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
+  config = experiment.load_run_config(workdir)
+  key = (config.dataset, config.train_size)
+  if key not in datasets:
+    datasets[key] = experiment.load_data(config)
+  dataset = datasets[key]
+  # The run's client sizes: FedSC's privacy plan (and so its algorithm) depends on them.
+  sizes = experiment.build_fed_data(config, dataset)[0].n
+  algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)
+  init_key, _ = experiment.run_keys(config)
+  random_state = rd.init_state(algo, init_key, config.num_clients)
+  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+    _, trained, _ = ckpt.restore(random_state)
+  return {'trained': measure(algo, trained, dataset, config, num_images),
+          'random_init': measure(algo, random_state, dataset, config, num_images)}
+
+
+def _mean_std(values):
+  return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def main(argv):
+  del argv
+  out = pathlib.Path(_OUT.value)
+  runs = sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
+  if not runs:
+    raise SystemExit(f'error: no finished runs under {out / "runs"}')
+  datasets, results = {}, collections.defaultdict(dict)
+  for run in runs:
+    results[run.parent.name][run.name] = measure_run(run, datasets, _NUM.value)
+    print(run.parent.name, run.name, {k: round(results[run.parent.name][run.name]['trained'][k], 4)
+                                       for k in METRICS}, flush=True)
+  (out / 'geometry.json').write_text(json.dumps(results, indent=1))
+  lines = ['| cell | seeds | ' + ' | '.join(METRICS) + ' |', '|---|---|' + '---|' * len(METRICS)]
+  ref = [r['random_init'] for seeds in results.values() for r in seeds.values()][:1]
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for cell, seeds in sorted(results.items()):
+    cols = [f'{m:.3f} ± {s:.3f}' for m, s in
+            (_mean_std([r['trained'][k] for r in seeds.values()]) for k in METRICS)]
+    lines.append(f'| {cell} | {len(seeds)} | ' + ' | '.join(cols) + ' |')
+    spec = np.mean([r['trained']['spectrum'] for r in seeds.values()], axis=0)
+    ax.plot(np.log10(np.maximum(spec, 1e-12)), label=cell)
+  for r in ref:
+    cols = [f'{r[k]:.3f}' for k in METRICS]
+    lines.append('| random init (first run) | 1 | ' + ' | '.join(cols) + ' |')
+    ax.plot(np.log10(np.maximum(r['spectrum'], 1e-12)), 'k--', label='random init')
+  ax.set_xlabel('singular value index')
+  ax.set_ylabel('log10 singular value of the feature covariance')
+  ax.set_title('Test-set feature spectrum (mean over seeds)')
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out / 'spectrum.png', dpi=120)
+  (out / 'geometry.md').write_text('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,173 @@
+"""The algorithm registry: a name -> how to configure, check and build an algorithm.
+
+Each algorithm module registers itself on import; a researcher's own file does the same (see
+`configs/examples/custom_algorithm.py`), and the binaries then run it like a built-in one:
+
+  registry.register('fedprox_simclr', build, defaults=block, validate=check, methods=('simclr',))
+
+`build(config, info) -> core.Algorithm` gets the whole config and the `DataInfo` of the loaded data.
+`defaults() -> ConfigDict` is the algorithm's config block, `config.<name>` (every registered name has
+one, possibly empty, in `experiment.default_config()`); an unknown key in it is refused with the valid
+keys listed. `validate(config, dataset_info)` raises `ConfigError` for bad values of its own keys and
+for cross-key rules of the algorithm; `dataset_info` is the `data.info.DatasetInfo` known before
+loading, or None. The runner knows algorithms only through this registry: it never compares
+`config.algorithm` with a name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+
+import ml_collections
+
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms.ssl_client import SSL_METHODS
+
+
+class Plan(NamedTuple):
+  """What a run will spend, known before training (FedSC: its privacy budget).
+
+  Attributes:
+    key: where the summary goes in results.json (e.g. 'privacy').
+    summary: JSON-able numbers of the plan.
+    text: one line for the person starting the run.
+    final_metrics: keys of the final metrics (`host_metrics`) copied next to the summary.
+  """
+  key: str
+  summary: Dict[str, Any]
+  text: str
+  final_metrics: Tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """One registered algorithm.
+
+  Attributes:
+    name: the value of `config.algorithm` and of its config block's key.
+    build: (config, DataInfo) -> Algorithm.
+    defaults: () -> ConfigDict, the config block `config.<name>` with its defaults.
+    validate: (config, DatasetInfo | None) -> None, raising ConfigError; None = nothing to check
+      beyond the block's keys and `methods`.
+    methods: the `config.ssl_method` values the algorithm accepts.
+    exclusive: keys of the block that only mean something with this algorithm: another algorithm
+      refuses them at a non-default value (e.g. Hetero-SSFL's architecture mix).
+    encoders: config -> [(config key, encoder name)], the encoders the run builds (default:
+      `config.encoder`), checked against the image shape before any compute.
+    doc: one line for listings and errors.
+    methods_note: why `methods` is what it is, appended to the error for another ssl_method.
+    plan: (config, DataInfo) -> Plan | None, what the run will spend (None: nothing to plan).
+  """
+  name: str
+  build: Callable[[ml_collections.ConfigDict, Any], Any]
+  defaults: Callable[[], ml_collections.ConfigDict]
+  validate: Optional[Callable[[ml_collections.ConfigDict, Any], None]] = None
+  methods: Tuple[str, ...] = SSL_METHODS
+  exclusive: Tuple[str, ...] = ()
+  encoders: Optional[Callable[[ml_collections.ConfigDict], Sequence[Tuple[str, str]]]] = None
+  doc: str = ''
+  methods_note: str = ''
+  plan: Optional[Callable[[ml_collections.ConfigDict, Any], Optional[Plan]]] = None
+
+
+_REGISTRY: Dict[str, Entry] = {}
+
+
+def _empty_block() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict()
+
+
+def _origin(fn: Callable) -> Tuple[str, str]:
+  code = getattr(fn, '__code__', None)
+  return (getattr(fn, '__qualname__', repr(fn)), code.co_filename if code else '')
+
+
+def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
+             validate: Optional[Callable] = None, methods: Sequence[str] = SSL_METHODS,
+             exclusive: Sequence[str] = (), encoders: Optional[Callable] = None,
+             doc: str = '', methods_note: str = '', plan: Optional[Callable] = None) -> Entry:
+  """Adds algorithm `name` (see `Entry` for the arguments) and returns its entry.
+
+  Registering a name again is allowed only from the same `build` function (a config file that is
+  executed twice, e.g. by absl's config flag and by an import); another `build` under a taken name
+  raises ValueError.
+  """
+  if not name.isidentifier():
+    raise ValueError(f'algorithm name {name!r} is invalid: must be a Python identifier (it is the '
+                     'key of its config block, config.<name>)')
+  bad = [m for m in methods if m not in SSL_METHODS]
+  if bad or not methods:
+    raise ValueError(f'methods = {tuple(methods)!r} of algorithm {name!r} is invalid: must be a '
+                     f'non-empty subset of {SSL_METHODS}')
+  old = _REGISTRY.get(name)
+  if old is not None and _origin(old.build) != _origin(build):
+    raise ValueError(f'algorithm {name!r} is already registered (build {_origin(old.build)[0]} in '
+                     f'{_origin(old.build)[1]}); choose another name')
+  entry = Entry(name=name, build=build, defaults=defaults or _empty_block, validate=validate,
+                methods=tuple(methods), exclusive=tuple(exclusive), encoders=encoders, doc=doc,
+                methods_note=methods_note, plan=plan)
+  _REGISTRY[name] = entry
+  return entry
+
+
+def names() -> Tuple[str, ...]:
+  """The registered algorithm names, in registration order."""
+  return tuple(_REGISTRY)
+
+
+def get(name: str) -> Entry:
+  """The entry of `name`; ConfigError naming the registered algorithms if there is none."""
+  if name not in _REGISTRY:
+    cv.check_choice('algorithm', name, names())
+  return _REGISTRY[name]
+
+
+def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> None:
+  """The algorithm's own checks: its block's keys, `ssl_method`, its validator, and no other
+  algorithm's exclusive keys set."""
+  entry = get(config.algorithm)
+  cv.check_known_keys(config[entry.name], entry.defaults(), prefix=f'config.{entry.name}')
+  if config.ssl_method not in entry.methods:
+    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
+                         f'{entry.name!r}: must be one of {entry.methods}'
+                         + (f' ({entry.methods_note})' if entry.methods_note else ''))
+  for other in _REGISTRY.values():
+    if other.name == entry.name or other.name not in config:
+      continue
+    defaults = other.defaults()
+    for key in other.exclusive:
+      if config[other.name][key] != defaults[key]:
+        raise cv.ConfigError(f'config.{other.name}.{key} = {config[other.name][key]!r} is invalid '
+                             f'with algorithm {entry.name!r}: only algorithm {other.name!r} reads '
+                             'it' + (f' ({other.doc})' if other.doc else ''))
+  if entry.validate is not None:
+    entry.validate(config, dataset_info)
+
+
+def encoders(config: ml_collections.ConfigDict) -> Sequence[Tuple[str, str]]:
+  """[(config key, encoder name)] of the encoders the configured run builds."""
+  entry = get(config.algorithm)
+  if entry.encoders is None:
+    return [('config.encoder', config.encoder)]
+  return entry.encoders(config)
+
+
+def build(config: ml_collections.ConfigDict, info: Any) -> Any:
+  """The configured Algorithm (`config` already validated)."""
+  return get(config.algorithm).build(config, info)
+
+
+def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
+  """The configured algorithm's Plan (None when it has nothing to plan)."""
+  entry = get(config.algorithm)
+  return None if entry.plan is None else entry.plan(config, info)
+
+
+def check_clients_on_device(config: ml_collections.ConfigDict) -> None:
+  """ConfigError for client_state = 'host', for an algorithm (in this setting) whose `Prepare`
+  reads every client's model (`Prepare.reads_clients`), which host-placed state cannot serve."""
+  if config.client_state == 'host':
+    raise cv.ConfigError(f"config.client_state = 'host' is invalid for algorithm "
+                         f"{config.algorithm!r} in this setting: its pre-round step reads every "
+                         "client's model on the device (round 0's prototypes / representations); "
+                         "use 'device'")

@@ -1,0 +1,327 @@
+"""The run's configuration: every key with its default, and the checks that refuse a bad one
+before any compute.
+
+  config = configuration.default_config()        # generic keys + every registered algorithm's block
+  configuration.validate_config(config)           # ConfigError naming the key, its value, what is allowed
+
+The generic keys (data, federation, optimisation, evaluation) are checked here; each algorithm checks
+its own block through the registry (`algorithms.registry.validate`).
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Optional, Tuple
+
+from absl import logging
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from fedjax_ssl import algorithms
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import models
+from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl.algorithms.fedavg import BYOL_TARGET_SYNC
+from fedjax_ssl.core import optim, strategies
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.round import RoundConfig
+from fedjax_ssl.data import augment, info as data_info, partition, sources
+from fedjax_ssl.data.info import DatasetInfo
+
+PARTITIONS = ('iid', 'dirichlet', 'classes')
+HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key a run may set, with its default (FedBYOL, EasyFL hyper-parameters).
+
+  Each registered algorithm adds its config block, `c.<name>` (`algorithms.register(defaults=)`),
+  so an algorithm registered from a user's file has its keys here too.
+  """
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # Data.
+  c.dataset = 'fashion_mnist'
+  c.data_source = 'auto'          # sources.load_dataset `source`
+  c.data_dir = ''                 # '' = the source's default location
+  c.train_size = 0                # keep the first k training examples (0 = all; repshare's subsets)
+  c.subset_stats = False          # True: normalise with the kept subset's statistics (repshare code)
+  c.num_clients = 10
+  c.partition = 'dirichlet'       # iid | dirichlet | classes
+  c.alpha = 0.5                   # Dirichlet concentration
+  c.classes_per_client = 2        # 'classes' partition
+  c.public_size = 0               # public / RAD set carved out before partitioning
+  # Method.
+  c.algorithm = 'fedavg'          # a registered name: fedjax_ssl.algorithms.names()
+  c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
+  c.encoder = 'small_cnn'
+  c.conv_impl = 'auto'            # auto | xla | im2col
+  c.heads = 'easyfl'              # a models.HEAD_PRESETS name or 'custom'
+  c.proj_hidden = 256             # heads == 'custom'
+  c.proj_out = 128
+  c.pred_hidden = 256
+  c.pred_out = 128
+  c.head_bn = True
+  c.augmentation = 'byol_easyfl'  # augment.PRESETS name
+  c.temperature = 0.5             # SimCLR NT-Xent
+  c.nt_xent_zero_diagonal = False  # FedU2 code quirk (arXiv:2403.16398; docs/notes/evaluation.md#losses-and-evaluation)
+  c.ema_tau = 0.99                # BYOL target EMA
+  c.byol_target_sync = 'keep'     # keep (EasyFL) | reset (FedSC FedAvg+BYOL)
+  c.sc_mu = 4.0                   # 'sc': NormClip level mu in the SC loss and FedSC's DP-CalR (0 = off)
+  # Federation and optimisation.
+  c.rounds = 100
+  c.clients_per_round = 10
+  c.local_epochs = 5
+  c.batch_size = 128
+  c.drop_last = True              # False: keep each epoch's ragged last batch ('sc' only)
+  c.optimizer = 'sgd'             # sgd | adam
+  c.lr = 0.032
+  c.momentum = 0.9
+  c.nesterov = False
+  c.weight_decay = 5e-4
+  c.lr_schedule = 'cosine'        # cosine over rounds | constant
+  c.grad_clip_norm = 0.0          # 0 = off
+  c.reset_optimizer = True        # fresh optimiser state every round
+  c.strategy = 'auto'             # auto | vmap | map | shard
+  c.map_chunk_size = 1
+  # Under vmap, regroup the participants still training into a batch this many times narrower
+  # whenever that few are left, so a skewed round costs its real steps (0 = run every participant
+  # as long as the longest one).
+  c.vmap_shrink = 2.0
+  c.client_state = 'device'       # device | host (stacked client state in host memory)
+  # Evaluation and bookkeeping.
+  c.eval_every = 0                # kNN monitor every k rounds (0 = off)
+  c.knn_k = 200                   # 0 = no kNN monitor (supervised runs report test_acc)
+  c.knn_temperature = 0.1
+  c.probe_epochs = 100
+  c.probe_batch_size = 512
+  c.probe_lr = 3e-3
+  c.probe_standardize = False     # z-score features first (not the papers' protocol)
+  # > 0: a second probe on z-scored features for that many epochs ('probe_std_acc'), so a result
+  # also shows whether the encoder beats random features under a well-conditioned probe.
+  c.probe_std_epochs = 0
+  c.checkpoint_every = 10
+  for name in algorithms.names():
+    c[name] = algorithms.get(name).defaults()
+  return c
+
+
+# Top-level keys that moved into an algorithm's block (issue 25): old name -> (block, key).
+_MOVED_KEYS = {'dapu_threshold': ('fedu', 'dapu_threshold'),
+               'autoscaler_tau': ('fedema', 'autoscaler_tau'),
+               'independent_init': ('independent', 'independent_init')}
+
+
+def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+  """The run's config.json over today's defaults (keys added since the run get their defaults)."""
+  path = workdir / 'config.json'
+  if not path.exists():
+    raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
+  config = default_config()
+  saved = json.loads(path.read_text())
+  for old, (block, key) in _MOVED_KEYS.items():  # runs from before these keys had a block
+    if old in saved:
+      saved.setdefault(block, {})[key] = saved.pop(old)
+  config.update(saved)
+  return config
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises cv.ConfigError naming the bad key, its value and what is allowed. Runs no compute.
+
+  Besides each key's own range it checks the keys against each other and against the dataset's
+  sizes and image shape, known without loading it (`dataset_info`): train_size, public_size and
+  num_clients against the training split, knn_k against the kNN memory bank, the encoder against
+  the image size. Loads no data and builds no model (the encoder is traced abstractly, no FLOPs).
+  """
+  cv.check_choice('algorithm', config.algorithm, algorithms.names())
+  cv.check_known_keys(config, default_config())
+  cv.check_choice('ssl_method', config.ssl_method, ssl_client.SSL_METHODS)
+  cv.check_choice('dataset', config.dataset, sources.NAMES)
+  cv.check_choice('data_source', config.data_source, sources.SOURCES)
+  cv.check_choice('partition', config.partition, PARTITIONS)
+  cv.check_choice('encoder', config.encoder, tuple(models.ENCODERS))
+  cv.check_choice('conv_impl', config.conv_impl, models.layers.CONV_IMPLS)
+  cv.check_choice('heads', config.heads, HEADS)
+  cv.check_choice('augmentation', config.augmentation, tuple(augment.PRESETS))
+  cv.check_choice('byol_target_sync', config.byol_target_sync, BYOL_TARGET_SYNC)
+  cv.check_choice('optimizer', config.optimizer, optim.OPTIMIZERS)
+  cv.check_choice('lr_schedule', config.lr_schedule, optim.LR_SCHEDULES)
+  cv.check_choice('strategy', config.strategy, ('auto',) + strategies.STRATEGIES)
+  if not isinstance(config.data_dir, str):
+    raise cv.ConfigError(f'config.data_dir = {config.data_dir!r} is invalid: must be a path string '
+                         "('' = the source's default location)")
+  cv.check_int_range('seed', config.seed, 0, 2**31 - 1)
+  cv.check_int_range('num_clients', config.num_clients, 1, 1_000_000)
+  cv.check_int_range('clients_per_round', config.clients_per_round, 1, config.num_clients)
+  cv.check_int_range('rounds', config.rounds, 1, 10_000_000)
+  cv.check_int_range('local_epochs', config.local_epochs, 1, 10_000)
+  cv.check_int_range('batch_size', config.batch_size, 2, 1_000_000)
+  cv.check_int_range('map_chunk_size', config.map_chunk_size, 1, 1_000_000)
+  cv.check_int_range('public_size', config.public_size, 0, 10_000_000)
+  cv.check_int_range('train_size', config.train_size, 0, 100_000_000)
+  cv.check_int_range('eval_every', config.eval_every, 0, 10_000_000)
+  cv.check_int_range('checkpoint_every', config.checkpoint_every, 1, 10_000_000)
+  cv.check_int_range('knn_k', config.knn_k, 0, 10_000_000)
+  cv.check_int_range('probe_epochs', config.probe_epochs, 0, 100_000)
+  cv.check_int_range('probe_std_epochs', config.probe_std_epochs, 0, 100_000)
+  cv.check_int_range('probe_batch_size', config.probe_batch_size, 1, 10_000_000)
+  cv.check_float_range('lr', config.lr, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('momentum', config.momentum, 0.0, 1.0, inclusive=(True, False))
+  cv.check_float_range('weight_decay', config.weight_decay, 0.0, None)
+  cv.check_float_range('grad_clip_norm', config.grad_clip_norm, 0.0, None)
+  cv.check_float_range('ema_tau', config.ema_tau, 0.0, 1.0)
+  cv.check_float_range('temperature', config.temperature, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
+                       inclusive=(False, True))
+  cv.check_float_range('probe_lr', config.probe_lr, 0.0, None, inclusive=(False, True))
+  if config.partition == 'dirichlet':
+    cv.check_float_range('alpha', config.alpha, 0.0, None, inclusive=(False, True))
+  if config.partition == 'classes':
+    cv.check_int_range('classes_per_client', config.classes_per_client, 1, 1_000_000)
+  info = dataset_info(config)
+  algorithms.registry.validate(config, info)
+  if (config.ssl_method != 'supervised' and config.knn_k == 0 and config.probe_epochs == 0
+      and config.probe_std_epochs == 0):
+    raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
+                         f'invalid for ssl_method {config.ssl_method!r}: the run would report no '
+                         'accuracy; keep the kNN monitor (knn_k > 0) or a probe')
+  cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
+  if not config.drop_last and config.ssl_method != 'sc':
+    raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '
+                         f"{config.ssl_method!r}: only the 'sc' loss honours the ragged last "
+                         "batch's mask")
+  if config.heads == 'custom':
+    for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
+      cv.check_int_range(key, config[key], 1, 1_000_000)
+  cv.check_choice('client_state', config.client_state, rd.CLIENT_STATES)
+  if config.vmap_shrink != 0:
+    cv.check_float_range('vmap_shrink', config.vmap_shrink, 1.0, None, inclusive=(False, True))
+  try:
+    strategies.check_participants(strategies.resolve_strategy(config.strategy),
+                                  config.clients_per_round, config.map_chunk_size)
+  except ValueError as e:  # its messages already name the key and the value
+    raise cv.ConfigError(f'config.{e}') from None
+  _check_data_source(config)
+  if info is not None:  # None: sizes only known once loaded (experiments.train checks them then)
+    check_data_config(config, info)
+
+
+_ONE_SOURCE = ('synthetic', 'fashion_mnist_subset')
+
+
+def _check_data_source(config: ml_collections.ConfigDict) -> None:
+  """data_source / data_dir against the dataset (what load_dataset would reject, checked early)."""
+  name, source, data_dir = config.dataset, config.data_source, config.data_dir
+  if name in _ONE_SOURCE and source != 'auto':
+    raise cv.ConfigError(f'config.data_source = {source!r} is invalid for config.dataset = '
+                         f"{name!r}: must be 'auto' (the dataset has a single source)")
+  if source == 'idx':
+    if name not in sources.IDX_NAMES:
+      raise cv.ConfigError(f"config.data_source = 'idx' is invalid for config.dataset = {name!r}: "
+                           f"IDX files exist for {sources.IDX_NAMES} only; use 'auto' or 'tfds'")
+    directory = data_dir or sources._DEFAULT_IDX_DIRS.get(name)  # pylint: disable=protected-access
+    if directory is None:
+      raise cv.ConfigError(f"config.data_dir = '' is invalid for config.data_source = 'idx' and "
+                           f'config.dataset = {name!r}: must name the directory of the IDX files')
+    if not sources._has_idx_files(directory):  # pylint: disable=protected-access
+      raise cv.ConfigError(
+          f'config.data_dir = {data_dir!r} is invalid for config.data_source = \'idx\': '
+          f'{directory} does not hold the IDX files {list(sources.IDX_FILES.values())} (each '
+          f'optionally .gz)' + ('; install the Debian package dataset-fashion-mnist or set '
+                                'config.data_dir' if not data_dir else ''))
+  if name == 'fashion_mnist_subset' and data_dir and not pathlib.Path(data_dir).is_file():
+    raise cv.ConfigError(f'config.data_dir = {data_dir!r} is invalid for config.dataset = '
+                         "'fashion_mnist_subset': must be the path of the subset's .npz file "
+                         "('' = the shipped tests/data/fashion_mnist_subset.npz)")
+
+
+def dataset_info(config: ml_collections.ConfigDict) -> Optional[DatasetInfo]:
+  """What is known of the configured dataset before loading it (None where it cannot be known)."""
+  return data_info.dataset_info(config.dataset, config.data_source, config.data_dir)
+
+
+def _encoder_input_error(encoder: str, input_shape: Tuple[int, int, int]) -> Optional[str]:
+  """Why `encoder` cannot take [B, *input_shape] images (None if it can). Traced abstractly with
+  `jax.eval_shape`: no parameters are allocated and nothing is computed."""
+  module = models.get_encoder(encoder, conv_impl='xla')  # same shapes as im2col, no backend query
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  x = jax.ShapeDtypeStruct((2,) + tuple(input_shape), jnp.float32)
+  try:
+    jax.eval_shape(lambda k, v: module.init(k, v, train=False), key, x)
+  except (ValueError, TypeError, flax.errors.FlaxError) as e:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+  return None
+
+
+def check_data_config(config: ml_collections.ConfigDict, info: DatasetInfo) -> None:
+  """The checks of `config` against the dataset's sizes and image shape.
+
+  validate_config runs them with `dataset_info(config)`, before any data is loaded;
+  experiments.train runs them on the loaded dataset (`DatasetInfo.of`) when its sizes were not
+  known beforehand.
+  """
+  split = f'the {info.name} training split'
+  if config.train_size > info.num_train:
+    raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: must be <= '
+                         f'{info.num_train}, the size of {split} (0 = all of it)')
+  n = config.train_size or info.num_train
+  source = f'config.train_size = {config.train_size}' if config.train_size else f'all of {split}'
+  if config.public_size >= n:
+    raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid: must be < {n}, '
+                         f'the number of training examples ({source})')
+  left = n - config.public_size
+  left_text = (f'{left} training examples ({source}, minus config.public_size = '
+               f'{config.public_size})' if config.public_size else
+               f'{left} training examples ({source})')
+  # Every client needs examples to train on; the Dirichlet partition redraws until each has at
+  # least partition.DEFAULT_MIN_SIZE.
+  per_client = partition.DEFAULT_MIN_SIZE if config.partition == 'dirichlet' else 1
+  if left < config.num_clients * per_client:
+    raise cv.ConfigError(
+        f'config.num_clients = {config.num_clients} is invalid: {left_text} cannot give every '
+        f'client {"at least " if per_client > 1 else ""}{per_client} example'
+        f'{"s" if per_client > 1 else ""} (config.partition = {config.partition!r}); must be <= '
+        f'{left // per_client}')
+  if config.partition == 'classes':
+    k, num_classes = config.classes_per_client, info.num_classes
+    if k > num_classes:
+      raise cv.ConfigError(f'config.classes_per_client = {k} is invalid: must be <= {num_classes}, '
+                           f'the number of classes of {info.name}')
+    slots = config.num_clients * k
+    if slots > num_classes and slots % num_classes:
+      raise cv.ConfigError(
+          f'config.classes_per_client = {k} is invalid with config.num_clients = '
+          f'{config.num_clients}: num_clients * classes_per_client = {slots} exceeds the '
+          f'{num_classes} classes of {info.name}, so classes are shared between clients (shard '
+          f'mode) and {slots} must be a multiple of {num_classes}')
+  if config.knn_k > n:
+    raise cv.ConfigError(f'config.knn_k = {config.knn_k} is invalid: must be <= {n}, the number of '
+                         f'training examples in the kNN memory bank ({source})')
+  h, w, c = info.image_shape
+  out_h, out_w = augment.preset(config.augmentation, h).output_hw(h, w)
+  for key, encoder in algorithms.registry.encoders(config):
+    reason = _encoder_input_error(encoder, (out_h, out_w, c))
+    if reason is not None:
+      fits = [e for e in models.ENCODERS if _encoder_input_error(e, (out_h, out_w, c)) is None]
+      raise cv.ConfigError(f'{key} = {encoder!r} is invalid for the {out_h}x{out_w}x{c} images '
+                           f'of {info.name} ({reason}); encoders that take them: {fits}')
+  average = left // config.num_clients
+  if config.batch_size > average:
+    logging.warning(
+        'config.batch_size = %d exceeds the average client size %d (%s over %d clients): clients '
+        'with fewer than batch_size examples make one step per local epoch on a batch that repeats '
+        'their examples', config.batch_size, average, left_text, config.num_clients)
+
+
+def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
+  base_lr, schedule, rounds = float(config.lr), config.lr_schedule, int(config.rounds)
+  return RoundConfig(
+      clients_per_round=config.clients_per_round, local_epochs=config.local_epochs,
+      batch_size=config.batch_size,
+      lr_fn=lambda r: optim.round_lr(base_lr, schedule, r, rounds),
+      strategy=config.strategy, map_chunk_size=config.map_chunk_size,
+      drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
+      client_state=config.client_state)

@@ -1,0 +1,199 @@
+"""The contract between an algorithm and the generic round step (the engine's only view of a method).
+
+An algorithm is a handful of pure functions over ONE client's state (the engine maps them over the
+stacked client axis) plus a server aggregation over the stacked uploads of the round's participants.
+Every method provides:
+
+  init(key, num_clients)                 -> (clients [C, ...], server)
+  broadcast(server)                      -> msg            (what every participant receives)
+  begin(client, msg, key)                -> client         (adopt/mix global model, reset optimizer)
+  local_step(client, batch, key, msg, lr)-> (client, loss) (one optimisation step; batch = dict(x=uint8
+                                                             [B,H,W,C], y=int32 [B]))
+  upload(client, msg, local)             -> payload        (what the server receives; `local` is
+                                                             the participant's LocalData, for
+                                                             payloads computed from its own data,
+                                                             e.g. per-class feature means)
+  aggregate(server, payloads [m, ...], weights [m], ids [m]) -> server   (weights sum to 1; ids
+                                                             are the participants' client ids)
+  eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
+  encoder_apply(variables, x)            -> [B, d]         (backbone features in inference mode)
+
+and may override `end(client_start, client, msg) -> client` (post-training bookkeeping, e.g. FedU's
+divergence; the default keeps the trained client). The optional hooks are grouped by what they
+serve; an algorithm without them computes exactly what it did before they existed:
+
+* `Prepare` (`prepare=`): a step once per round, before `broadcast`, inside the jitted round and
+  seeing the whole FedState (FedSC's DP-CalR uploads, representation sharing's round-0 prototypes):
+    fn(state, data, ids, key)             -> server
+    upload_bytes(state, server_after)     -> bytes   (what clients sent inside `fn`, float32 scalar)
+    reads_clients: bool                              (`fn` reads FedState.clients: such an algorithm
+                                                      needs client_state='device')
+* `Stateless` (`stateless=`): the part of a client's state that survives a round, the only part
+  kept in FedState.clients:
+    persist(client)                       -> stored
+    restore(stored, msg)                  -> client  (the whole state before `begin`, the rest
+                                                      rebuilt from the broadcast)
+  The contract is begin(restore(persist(c), msg), msg) == begin(c, msg) for every state c the
+  algorithm produces, so a stateless algorithm computes what its stateful twin does while memory
+  holds the server and the round's m participants only.
+* `cohorts`: several architectures in one federation (Hetero-SSFL), below.
+* Per-participant and evaluation extras: `personalize(msg, client_id) -> msg` (a participant's own
+  view of the broadcast, e.g. the aggregate without its own matrix), `host_metrics(state) -> dict`
+  (host-side scalars logged after every round, e.g. the privacy ledger's epsilon),
+  `classifier_apply(variables, x) -> logits` (supervised clients, for test accuracy), `personalized`
+  (clients keep personal models, evaluated one by one), `ragged_batches` (local_step honours
+  batch['mask'], for drop_last=False), `uses_public` (the engine adds FedData.public_x to the
+  broadcast as msg['public_x']: Hetero-SSFL's RAD).
+
+Communication (core/comm.py) is measured from these pytrees: a participant sends its `upload`
+payload and receives its (personalised) broadcast, less the public set, which is sent once.
+
+Several architectures in one federation (Hetero-SSFL): an algorithm with `cohorts` holds one
+stacked client pytree per architecture, `FedState.clients = (cohort_0 [C_0, ...], ...)`. Each
+`Cohort` names its members (global client ids) and an Algorithm whose client-side functions (init
+of its stack, begin, local_step, end, upload, encoder_apply) train them; the parent's server
+functions (init's server, prepare, broadcast, aggregate) see every cohort. Its aggregate receives
+per-cohort tuples:
+
+  aggregate(server, payloads (per cohort [S_c, ...]), weights (per cohort [S_c]), slots) -> server
+
+where `slots` is a tuple of `CohortSlots` (which clients filled the cohort's S_c = min(m, C_c)
+static slots this round; slots a round does not fill have valid = False and weight 0). An algorithm
+without cohorts is the one-cohort case: its clients and aggregate keep the plain form above.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+
+def keep_trained(client_start: Any, client: Any, msg: Any) -> Any:
+  """The default `end`: the trained client as it is."""
+  del client_start, msg
+  return client
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepare:
+  """A step of the server once per round, before `broadcast` (see the module docstring)."""
+  fn: Callable[..., Any]
+  upload_bytes: Optional[Callable[..., Any]] = None
+  reads_clients: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Stateless:
+  """What of a client survives a round (`persist`) and how the rest is rebuilt (`restore`)."""
+  persist: Callable[[Any], Any]
+  restore: Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A federated method as pure functions (module docstring); `name` labels logs and errors."""
+  name: str
+  init: Callable[..., Any]
+  broadcast: Callable[..., Any]
+  begin: Callable[..., Any]
+  local_step: Callable[..., Any]
+  upload: Callable[..., Any]
+  aggregate: Callable[..., Any]
+  eval_variables: Callable[..., Any]
+  encoder_apply: Callable[..., Any]
+  end: Callable[..., Any] = keep_trained
+  # Optional hooks, grouped by what they serve.
+  prepare: Optional[Prepare] = None
+  stateless: Optional[Stateless] = None
+  cohorts: Tuple['Cohort', ...] = ()
+  personalize: Optional[Callable[..., Any]] = None
+  host_metrics: Optional[Callable[..., Dict[str, float]]] = None
+  classifier_apply: Optional[Callable[..., Any]] = None
+  personalized: bool = False
+  ragged_batches: bool = False
+  uses_public: bool = False
+
+
+def restore_client(algo: Algorithm, stored: Any, msg: Any) -> Any:
+  """A participant's whole state before `begin` (the stored state itself when not stateless)."""
+  return stored if algo.stateless is None else algo.stateless.restore(stored, msg)
+
+
+def persist_client(algo: Algorithm, client: Any) -> Any:
+  """What of a trained client is stored until its next round (all of it when not stateless)."""
+  return client if algo.stateless is None else algo.stateless.persist(client)
+
+
+class LocalData(NamedTuple):
+  """A participant's own data as the engine holds it, passed to `upload`.
+
+  Attributes:
+    x: uint8 [n_max, H, W, C] images; rows >= n are padding.
+    y: int32 [n_max] labels.
+    n: int32 scalar, the number of real rows.
+    key: the participant's upload key (rng.upload_key of its round key).
+  """
+  x: jax.Array
+  y: jax.Array
+  n: jax.Array
+  key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Cohort:
+  """One architecture's clients in a multi-cohort algorithm.
+
+  Attributes:
+    name: label used in logs and results (e.g. the encoder name).
+    members: sorted global client ids of the cohort.
+    client: the Algorithm whose client-side functions train this cohort; its `init(key, C_c)`
+      gives the cohort's stacked initial states.
+  """
+  name: str
+  members: Tuple[int, ...]
+  client: Algorithm
+
+
+class CohortSlots(NamedTuple):
+  """A cohort's participants of one round, in S_c static slots.
+
+  Attributes:
+    local: int32 [S_c] index into the cohort's stack (C_c, out of range, in unfilled slots).
+    ids: int32 [S_c] global client ids (undefined in unfilled slots).
+    valid: bool [S_c] whether the slot holds a participant.
+  """
+  local: jax.Array
+  ids: jax.Array
+  valid: jax.Array
+
+
+def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
+  """Weighted average over the leading axis of every leaf.
+
+  Args:
+    stacked: pytree with leaves [m, ...].
+    weights: float [m], summing to 1 (float32; float64 under x64).
+  Returns:
+    pytree with leaves [...]; integer leaves keep their dtype (rounded average). Floating leaves are
+    accumulated in the wider of their dtype and the weights' (a float64 state stays float64).
+
+  The average is a contraction (`tensordot` of the weights with the leaf's leading axis), not a
+  sum over axis 0 of the weighted leaf: XLA:CPU reduces a leading axis ~50x slower than it runs the
+  same work as a GEMV (docs/notes/performance.md#cross-device-round: 197 ms vs 3.6 ms for 50 x 524k floats,
+  which made the aggregation of a 50-participant round cost as much as 40 local steps).
+  Precision HIGHEST keeps accelerators from rounding the operands to TF32/bf16.
+  """
+  def avg(leaf):
+    acc = (jnp.promote_types(leaf.dtype, weights.dtype)
+           if jnp.issubdtype(leaf.dtype, jnp.floating) else weights.dtype)
+    out = jnp.tensordot(weights.astype(acc), leaf.astype(acc), axes=(0, 0),
+                        precision=jax.lax.Precision.HIGHEST)
+    return out.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.round(out).astype(leaf.dtype)
+  return jax.tree_util.tree_map(avg, stacked)
+
+
+def replicate(tree: Any, num_clients: int) -> Any:
+  """Stack `num_clients` copies of every leaf along a new leading axis."""
+  return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (num_clients,) + a.shape), tree)

@@ -1,0 +1,101 @@
+"""Evaluation of a federated state: the global encoder, or every client's personal encoder (the
+client mean, and each cohort's mean when a federation mixes architectures)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.algorithm import Algorithm
+from fedjax_ssl.core.state import FedState
+from fedjax_ssl.data.types import Dataset
+from fedjax_ssl.eval import features as fs_features
+from fedjax_ssl.eval import knn as fs_knn
+from fedjax_ssl.eval import probe as fs_probe
+
+
+def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: np.ndarray,
+                     dataset: Dataset, batch_size: int = 1000) -> jax.Array:
+  """Frozen backbone features of `images`: [N, d], or [C, N, d] for personalised models."""
+  fn = fs_features.extract_features_stacked if per_client else fs_features.extract_features
+  return fn(algo.encoder_apply, variables, images, dataset.mean, dataset.std, batch_size=batch_size)
+
+
+def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState, dataset: Dataset,
+             *, probe: bool = True, knn: bool = True) -> Dict[str, Any]:
+  """Linear probe (full train -> full test) and kNN monitor on the frozen encoder(s).
+
+  Personalised models are evaluated client by client; the result is the unweighted client mean
+  (per-client accuracies under '<metric>_clients', in client-id order). With several cohorts
+  (architectures) each cohort's mean is reported too, as '<metric>_<cohort name>'.
+  """
+  variables, per_client = algo.eval_variables(state)
+  if not per_client:
+    return _evaluate_encoder(config, algo, variables, False, dataset, probe=probe, knn=knn)
+  groups = (tuple(zip(algo.cohorts, variables)) if algo.cohorts else
+            ((rd.cohorts(algo, len(jax.tree_util.tree_leaves(variables)[0]))[0], variables),))
+  per_cohort = [_evaluate_encoder(config, c.client, v, True, dataset, probe=probe, knn=knn)
+                for c, v in groups]
+  out: Dict[str, Any] = {}
+  for key in per_cohort[0]:
+    accs = np.zeros(sum(len(c.members) for c, _ in groups))
+    for (cohort, _), res in zip(groups, per_cohort):
+      accs[list(cohort.members)] = res[key]
+      if algo.cohorts:
+        out[f'{key}_{cohort.name}'] = float(np.mean(res[key]))
+    out[key] = float(np.mean(accs))
+    out[f'{key}_client_std'] = float(np.std(accs))
+    if key != 'knn_acc':
+      out[f'{key}_clients'] = [float(a) for a in accs]
+  return out
+
+
+def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variables: Any,
+                      per_client: bool, dataset: Dataset, *, probe: bool, knn: bool
+                      ) -> Dict[str, Any]:
+  """{metric: accuracy} for one shared encoder, or {metric: [C] accuracies} for stacked ones.
+
+  Supervised models (`algo.classifier_apply`) also report 'test_acc', the whole classifier's
+  accuracy on the test split. Features are extracted only when the kNN monitor (knn_k > 0) or a
+  probe needs them.
+  """
+  out: Dict[str, Any] = {}
+  if algo.classifier_apply is not None:
+    logits = encoder_features(dataclasses.replace(algo, encoder_apply=algo.classifier_apply),
+                              variables, per_client, dataset.test_x, dataset)
+    correct = np.asarray(jnp.argmax(logits, axis=-1)) == dataset.test_y
+    acc = correct.mean(axis=-1)
+    out['test_acc'] = [float(a) for a in acc] if per_client else float(acc)
+  knn = knn and config.knn_k > 0
+  probe = probe and (config.probe_epochs > 0 or config.probe_std_epochs > 0)
+  if not (knn or probe):
+    return out
+  train_f = encoder_features(algo, variables, per_client, dataset.train_x, dataset)
+  test_f = encoder_features(algo, variables, per_client, dataset.test_x, dataset)
+  if knn:
+    knn_fn = lambda a, b: float(fs_knn.knn_monitor(
+        a, dataset.train_y, b, dataset.test_y, dataset.num_classes, k=config.knn_k,
+        temperature=config.knn_temperature))
+    out['knn_acc'] = ([knn_fn(a, b) for a, b in zip(train_f, test_f)] if per_client else
+                      knn_fn(train_f, test_f))
+  probes = [('probe_acc', config.probe_epochs, config.probe_standardize),
+            ('probe_std_acc', config.probe_std_epochs, True)]
+  for key, epochs, standardize in probes:
+    if not probe or epochs == 0:
+      continue
+    kw = dict(epochs=epochs, batch_size=config.probe_batch_size, lr=config.probe_lr,
+              seed=config.seed, standardize=standardize)
+    if per_client:
+      res = fs_probe.linear_probe_stack(train_f, dataset.train_y, test_f, dataset.test_y,
+                                       dataset.num_classes, **kw)
+      out[key] = [float(a) for a in np.asarray(res['test_acc'])]
+    else:
+      res = fs_probe.linear_probe(train_f, dataset.train_y, test_f, dataset.test_y,
+                                 dataset.num_classes, **kw)
+      out[key] = float(res['test_acc'])
+  return out
