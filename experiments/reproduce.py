@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shlex
 import sys
 import traceback
@@ -37,6 +38,7 @@ import jax  # noqa: E402
 import tqdm  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
+from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
 
@@ -48,6 +50,7 @@ _SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES),
 _ONLY = flags.DEFINE_multi_string('only', [], 'Cell names or fnmatch patterns to run (repeatable).')
 _LIST = flags.DEFINE_bool('list', False, 'Print the cells and their run directories, then exit.')
 flags.mark_flags_as_required(['table', 'out'])
+_OVERRIDE = re.compile(r'^--?(no)?config\.([^=]+)(?:=(.*))?$', re.DOTALL)
 
 
 def parse_seeds(values) -> list:
@@ -61,6 +64,53 @@ def parse_seeds(values) -> list:
   return seeds
 
 
+def _parse_value(key: str, text, default):
+  """`text` as the type of the key's default (bool, int, float or str)."""
+  if isinstance(default, bool):
+    if text.lower() in ('true', '1'):
+      return True
+    if text.lower() in ('false', '0'):
+      return False
+    raise cv.ConfigError(f'--config.{key}={text} is invalid: must be true or false')
+  for kind in (int, float):
+    if isinstance(default, kind):
+      try:
+        return kind(text)
+      except ValueError:
+        raise cv.ConfigError(f'--config.{key}={text} is invalid: must be a {kind.__name__}') from None
+  return text
+
+
+def split_overrides(argv):
+  """(argv without the `--config.KEY=VALUE` flags, {key: value}) for overrides that apply to every
+  cell. Values take the type of the key's default; `--config.KEY` / `--noconfig.KEY` set a bool.
+  An unknown key is a cv.ConfigError naming it and the closest known keys."""
+  reference = experiment.default_config()
+  rest, overrides = [argv[0]], {}
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == '--':
+      rest += argv[i:]
+      break
+    match = _OVERRIDE.match(arg)
+    if not match:
+      rest.append(arg)
+      continue
+    error = cv.unknown_override([argv[0], arg], reference)
+    if error is not None:
+      raise error
+    negate, key, text = match.groups()
+    default = reference
+    for part in key.split('.'):
+      default = default[part]
+    if text is None or negate:
+      if not isinstance(default, bool) or text is not None:
+        raise cv.ConfigError(f'{arg} is invalid: give a value, --config.{key}=VALUE')
+      overrides[key] = not negate
+    else:
+      overrides[key] = _parse_value(key, text, default)
+  return rest, overrides
+
+
 def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
   workdir.mkdir(parents=True, exist_ok=True)
   text = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -70,8 +120,9 @@ def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
 
 
 def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
-              command: str = '') -> list:
-  """Runs what is missing of the table and writes its outputs; returns the summary rows."""
+              command: str = '', overrides=None) -> list:
+  """Runs what is missing of the table and writes its outputs; returns the summary rows.
+  `overrides` (config key -> value) apply to every cell (`reproduce.with_overrides`)."""
   # Imported here, after flag parsing: the training binary's module defines its own required flags.
   from experiments import train  # pylint: disable=g-import-not-at-top
   out = pathlib.Path(out)
@@ -80,7 +131,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
   # each run routes its own logs to its workdir's train.log.
   with logging_utils.RunLog() as log:
     log.open(str(out / 'reproduce.log'))
-    table = reproduce.load_table(table_path, scale)
+    table = reproduce.with_overrides(reproduce.load_table(table_path, scale), overrides or {})
     runs = reproduce.plan_runs(table, seeds, only)
   if not jax.config.jax_compilation_cache_dir:
     # The seeds of a cell compile the same programs: a persistent cache under OUT compiles each once.
@@ -112,9 +163,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   seeds = parse_seeds(_SEEDS.value)
+  overrides = _OVERRIDES
   if _LIST.value:
     with logging_utils.RunLog():  # library INFO lines are dropped: this only prints the plan
-      table = reproduce.load_table(_TABLE.value, _SCALE.value)
+      table = reproduce.with_overrides(reproduce.load_table(_TABLE.value, _SCALE.value), overrides)
       runs = reproduce.plan_runs(table, seeds, _ONLY.value)
     for run in runs:
       cells = ', '.join(reproduce.cell_id(*c) for c in run.cells)
@@ -122,11 +174,20 @@ def main(argv):
                                                 if run.config_error else ''))
     return
   command = 'python -m experiments.reproduce ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
-  summary = run_table(_TABLE.value, _OUT.value, seeds, _SCALE.value, _ONLY.value, command)
+  summary = run_table(_TABLE.value, _OUT.value, seeds, _SCALE.value, _ONLY.value, command,
+                      overrides)
   failed = sorted({e['cell'] for e in summary if e['errors']})
   print(f'table: {pathlib.Path(_OUT.value) / "table.md"}' +
         (f'   failed cells: {failed}' if failed else ''))
 
 
+# `--config.KEY=VALUE` flags are taken out before absl parses the rest: the training binary, imported
+# by run_table, defines its own --config flag.
+_OVERRIDES: dict = {}
+
 if __name__ == '__main__':
+  try:
+    sys.argv, _OVERRIDES = split_overrides(sys.argv)
+  except cv.ConfigError as e:
+    cv.exit_with_error(e)
   cv.run(main)

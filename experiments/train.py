@@ -178,6 +178,16 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
   width = len(str(config.rounds))
   say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
       f'{_metrics_text(_scalars(random_init))}  {took}')
+  raw_pixels = None
+  if config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
+    raw_path = workdir / 'raw_pixels.json'
+    if raw_path.exists():
+      raw_pixels = json.loads(raw_path.read_text())
+    else:
+      raw_pixels = experiment.raw_pixel_metrics(config, dataset)
+      if primary:
+        _write_json(raw_path, raw_pixels)
+    say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}')
 
   ckpt = checkpoint.Checkpointer(workdir / 'checkpoints', save_every=config.checkpoint_every)
   writer = logging_utils.MetricsWriter(str(workdir)) if primary else None
@@ -237,6 +247,8 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
   writer.close()
   results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if raw_pixels is not None:
+    results['raw_pixels'] = raw_pixels
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if plan is not None:
@@ -266,6 +278,12 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
   if 'knn_acc' in final:
     say(f'kNN accuracy:          trained encoder {final["knn_acc"]:.4f} | '
         f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
+  if raw_pixels is not None:
+    for key in ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'):
+      if key in final:
+        say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
+            f'{random_init.get(key, float("nan")):.4f} | raw pixels '
+            f'{raw_pixels.get(key, float("nan")):.4f}')
   say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
       f'log: {workdir / LOG_FILE}')
   return results

@@ -31,6 +31,7 @@ from fedjax_ssl.data import augment, info as data_info, partition, sources
 from fedjax_ssl.data.info import DatasetInfo
 
 PARTITIONS = ('iid', 'dirichlet', 'classes')
+PROBES = ('adam', 'logistic')
 HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 
 
@@ -95,6 +96,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval_every = 0                # kNN monitor every k rounds (0 = off)
   c.knn_k = 200                   # 0 = no kNN monitor (supervised runs report test_acc)
   c.knn_temperature = 0.1
+  # The final linear probe: 'logistic' = the field's protocol (eval/protocol.py: standardised
+  # features, L2 logistic regression by L-BFGS with C chosen on a held-out 10%, at each of
+  # label_fractions, label_draws stratified draws each, and kNN at knn_k and knn_k_small on the same
+  # labelled subsets) | 'adam' = the papers' probe (probe_epochs of Adam; probe_* keys below).
+  c.probe = 'adam'
+  c.label_fractions = (1.0, 0.1, 0.01)
+  c.label_draws = 3
+  c.knn_k_small = 20              # 'logistic': a second kNN k (0 = none)
   c.probe_epochs = 100
   c.probe_batch_size = 512
   c.probe_lr = 3e-3
@@ -165,6 +174,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_int_range('eval_every', config.eval_every, 0, 10_000_000)
   cv.check_int_range('checkpoint_every', config.checkpoint_every, 1, 10_000_000)
   cv.check_int_range('knn_k', config.knn_k, 0, 10_000_000)
+  cv.check_choice('probe', config.probe, PROBES)
+  cv.check_int_range('label_draws', config.label_draws, 1, 1_000)
+  cv.check_int_range('knn_k_small', config.knn_k_small, 0, 10_000_000)
+  fractions = tuple(config.label_fractions)
+  if not fractions or len(set(fractions)) != len(fractions) or not all(
+      isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fractions):
+    raise cv.ConfigError(f'config.label_fractions = {fractions!r} is invalid: must be distinct '
+                         'numbers in (0, 1] (e.g. (1.0, 0.1, 0.01)), at least one')
   cv.check_int_range('probe_epochs', config.probe_epochs, 0, 100_000)
   cv.check_int_range('probe_std_epochs', config.probe_std_epochs, 0, 100_000)
   cv.check_int_range('probe_batch_size', config.probe_batch_size, 1, 10_000_000)
@@ -183,8 +200,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     cv.check_int_range('classes_per_client', config.classes_per_client, 1, 1_000_000)
   info = dataset_info(config)
   algorithms.registry.validate(config, info)
-  if (config.ssl_method != 'supervised' and config.knn_k == 0 and config.probe_epochs == 0
-      and config.probe_std_epochs == 0):
+  if (config.ssl_method != 'supervised' and config.knn_k == 0 and config.probe == 'adam'
+      and config.probe_epochs == 0 and config.probe_std_epochs == 0):
     raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
                          f'invalid for ssl_method {config.ssl_method!r}: the run would report no '
                          'accuracy; keep the kNN monitor (knn_k > 0) or a probe')
@@ -297,6 +314,13 @@ def check_data_config(config: ml_collections.ConfigDict, info: DatasetInfo) -> N
           f'{config.num_clients}: num_clients * classes_per_client = {slots} exceeds the '
           f'{num_classes} classes of {info.name}, so classes are shared between clients (shard '
           f'mode) and {slots} must be a multiple of {num_classes}')
+  if config.probe == 'logistic':
+    for f in config.label_fractions:
+      if round(f * n) < info.num_classes:
+        raise cv.ConfigError(
+            f'config.label_fractions = {tuple(config.label_fractions)!r} is invalid: {f} of the '
+            f'{n} training examples ({source}) is {round(f * n)} labelled images, fewer than the '
+            f'{info.num_classes} classes; every class needs at least one')
   if config.knn_k > n:
     raise cv.ConfigError(f'config.knn_k = {config.knn_k} is invalid: must be <= {n}, the number of '
                          f'training examples in the kNN memory bank ({source})')

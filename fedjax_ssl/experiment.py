@@ -35,7 +35,7 @@ from fedjax_ssl.core import rng
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
-from fedjax_ssl.eval.federated import encoder_features, evaluate  # noqa: F401
+from fedjax_ssl.eval.federated import encoder_features, evaluate, raw_pixel_metrics  # noqa: F401
 
 
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:

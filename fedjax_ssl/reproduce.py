@@ -41,6 +41,13 @@ METRICS = {
     'knn_acc': 'kNN (%)',
     'probe_std_acc': 'linear probe on standardised features (%)',
     'test_acc': 'test accuracy, client mean (%)',
+    # config.probe = 'logistic' (eval/protocol.py): label fractions and a second kNN k.
+    'probe_acc_10pct': 'linear probe, 10% of the labels (%)',
+    'probe_acc_1pct': 'linear probe, 1% of the labels (%)',
+    'knn_acc_k20': 'kNN, k = 20 (%)',
+    'knn_acc_10pct': 'kNN, 10% of the labels (%)',
+    'knn_acc_1pct': 'kNN, 1% of the labels (%)',
+    'knn_acc_1pct_k20': 'kNN, 1% of the labels, k = 20 (%)',
 }
 
 
@@ -80,6 +87,8 @@ class Table:
     cell_overrides: (row, column) -> overrides applied after the row's, for settings that depend
       on both (FedSC's Table 6: each privacy level has its own noise and schedule per dataset).
     skip: (row, column) pairs that are not run (a level the paper does not report there).
+    overrides: config key -> value applied to every cell after everything else (the command line's
+      `--config.KEY=VALUE`, `with_overrides`); recorded in table.md.
   """
   name: str
   title: str
@@ -93,6 +102,7 @@ class Table:
   cell_overrides: Mapping[Tuple[str, str], Mapping[str, Any]] = dataclasses.field(
       default_factory=dict)
   skip: frozenset = frozenset()
+  overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def cells(self) -> List[Tuple[str, str]]:
     """(row, column) pairs in display order, without the skipped ones."""
@@ -154,18 +164,26 @@ def load_table(path: str, scale: str) -> Table:
   return table
 
 
-def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:
-  """base <- column overrides <- row overrides <- cell overrides <- seed; unknown keys raise
-  cv.ConfigError.
+def with_overrides(table: Table, overrides: Mapping[str, Any]) -> Table:
+  """`table` with `overrides` (config key -> value, e.g. {'rounds': 40, 'fedu2.lambda_u': 0.0})
+  applied to every cell, after the table's own settings."""
+  return dataclasses.replace(table, overrides={**table.overrides, **overrides})
 
-  A key may name a sub-config's entry with a dot ('fedu2.fur'). Cell overrides come last.
+
+def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:
+  """base <- column overrides <- row overrides <- cell overrides <- table.overrides <- seed;
+  unknown keys raise cv.ConfigError.
+
+  A key may name a sub-config's entry with a dot ('fedu2.fur').
   """
   config = ml_collections.ConfigDict(table.base.to_dict())
   layers = (('column', table.columns[column]), ('row', table.rows[row]),
-            ('cell', table.cell_overrides.get((row, column), {})))
+            ('cell', table.cell_overrides.get((row, column), {})),
+            ('override', table.overrides))
   for what, overrides in layers:
     for key, value in overrides.items():
-      name = {'column': repr(column), 'row': repr(row), 'cell': repr((row, column))}[what]
+      name = {'column': repr(column), 'row': repr(row), 'cell': repr((row, column)),
+              'override': '(every cell)'}[what]
       where = f'table {table.name!r}, {what} {name}'
       *parents, leaf = key.split('.')
       node = config
@@ -298,7 +316,7 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
       continue
     entries = per_cell[(row, column)]
     for metric in table.metrics:
-      values, inits, errors, seeds = [], [], [], []
+      values, inits, pixels, errors, seeds = [], [], [], [], []
       for run, status, payload in entries:
         if status == 'done':
           if metric not in payload['final']:
@@ -309,6 +327,7 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
             continue
           values.append(100.0 * payload['final'][metric])
           inits.append(100.0 * payload['random_init'].get(metric, float('nan')))
+          pixels.append(100.0 * payload.get('raw_pixels', {}).get(metric, float('nan')))
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')
@@ -324,6 +343,7 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           'diff': mean - paper if paper is not None and values else None,
           'values': values, 'seeds': seeds,
           'random_init_mean': float(np.mean(inits)) if inits else float('nan'),
+          'raw_pixels_mean': float(np.mean(pixels)) if pixels else float('nan'),
           'pending': sum(status == 'missing' for _, status, _ in entries),
           'errors': errors})
   return rows
@@ -348,7 +368,7 @@ def _md_cell(entry: Dict[str, Any]) -> str:
 
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
   fields = ['row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
-            'random_init_mean', 'seeds', 'values', 'pending', 'errors']
+            'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'pending', 'errors']
   tmp = path.with_suffix('.csv.tmp')
   with open(tmp, 'w', newline='') as f:
     w = csv.DictWriter(f, fieldnames=fields)
@@ -371,6 +391,9 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
            'follows it.']
   if command:
     lines += ['', f'Command: `{command}`']
+  if table.overrides:
+    shown = ', '.join(f'`{k}={v!r}`' for k, v in sorted(table.overrides.items()))
+    lines += ['', f'Overrides applied to every cell: {shown}.']
   rows = [r for r in table.rows if any((r, c, m) in by_key for c in table.columns
                                        for m in table.metrics)]
   for metric in table.metrics:
@@ -381,12 +404,16 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       cells = [_md_cell(by_key[(r, c, metric)]) if (r, c, metric) in by_key else '–'
                for c in table.columns]
       lines.append(f'| {r} | ' + ' | '.join(cells) + ' |')
-    inits = []
-    for c in table.columns:
-      done = [by_key[(r, c, metric)]['random_init_mean'] for r in rows
-              if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']]
-      inits.append(float(np.mean(done)) if done else float('nan'))
-    lines.append('| *random-init encoder* | ' + ' | '.join(_fmt(v) for v in inits) + ' |')
+    for label, key in (('*random-init encoder*', 'random_init_mean'),
+                       ('*raw pixels*', 'raw_pixels_mean')):
+      refs = []
+      for c in table.columns:
+        done = [by_key[(r, c, metric)][key] for r in rows
+                if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']
+                and math.isfinite(by_key[(r, c, metric)][key])]
+        refs.append(float(np.mean(done)) if done else float('nan'))
+      if key == 'random_init_mean' or any(math.isfinite(v) for v in refs):
+        lines.append(f'| {label} | ' + ' | '.join(_fmt(v) for v in refs) + ' |')
   failures = [(e['cell'], err) for e in summary for err in e['errors']]
   if failures:
     lines += ['', '## Failed runs', '']

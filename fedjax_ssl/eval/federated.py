@@ -17,6 +17,7 @@ from fedjax_ssl.data.types import Dataset
 from fedjax_ssl.eval import features as fs_features
 from fedjax_ssl.eval import knn as fs_knn
 from fedjax_ssl.eval import probe as fs_probe
+from fedjax_ssl.eval import protocol as fs_protocol
 
 
 def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: np.ndarray,
@@ -62,7 +63,9 @@ def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variab
 
   Supervised models (`algo.classifier_apply`) also report 'test_acc', the whole classifier's
   accuracy on the test split. Features are extracted only when the kNN monitor (knn_k > 0) or a
-  probe needs them.
+  probe needs them. With config.probe = 'logistic' the probe is the field's protocol
+  (`protocol.evaluate_features`: its metric names, e.g. probe_acc, probe_acc_1pct, knn_acc,
+  knn_acc_1pct_k20), which also gives the kNN accuracies.
   """
   out: Dict[str, Any] = {}
   if algo.classifier_apply is not None:
@@ -72,11 +75,17 @@ def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variab
     acc = correct.mean(axis=-1)
     out['test_acc'] = [float(a) for a in acc] if per_client else float(acc)
   knn = knn and config.knn_k > 0
-  probe = probe and (config.probe_epochs > 0 or config.probe_std_epochs > 0)
+  logistic = probe and config.probe == 'logistic'
+  probe = logistic or (probe and (config.probe_epochs > 0 or config.probe_std_epochs > 0))
   if not (knn or probe):
     return out
   train_f = encoder_features(algo, variables, per_client, dataset.train_x, dataset)
   test_f = encoder_features(algo, variables, per_client, dataset.test_x, dataset)
+  if logistic:
+    per = [protocol_metrics(config, a, b, dataset) for a, b in
+           (zip(train_f, test_f) if per_client else [(train_f, test_f)])]
+    out.update({k: [r[k] for r in per] if per_client else per[0][k] for k in per[0]})
+    return out
   if knn:
     knn_fn = lambda a, b: float(fs_knn.knn_monitor(
         a, dataset.train_y, b, dataset.test_y, dataset.num_classes, k=config.knn_k,
@@ -99,3 +108,24 @@ def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variab
                                  dataset.num_classes, **kw)
       out[key] = float(res['test_acc'])
   return out
+
+
+def protocol_metrics(config: ml_collections.ConfigDict, train_f: Any, test_f: Any,
+                     dataset: Dataset) -> Dict[str, float]:
+  """The field's probe and kNN (`protocol.evaluate_features`) on features train_f [N, d] and
+  test_f [M, d] of `dataset`'s splits, at config.label_fractions."""
+  ks = tuple(k for k in (config.knn_k, config.knn_k_small) if k > 0)
+  return fs_protocol.evaluate_features(
+      np.asarray(train_f), dataset.train_y, np.asarray(test_f), dataset.test_y,
+      dataset.num_classes, fractions=tuple(float(f) for f in config.label_fractions),
+      draws=config.label_draws, seed=config.seed, knn_k=ks,
+      knn_temperature=config.knn_temperature)
+
+
+def raw_pixel_metrics(config: ml_collections.ConfigDict, dataset: Dataset) -> Dict[str, float]:
+  """The reference row of every table: the same probe and kNN (`protocol_metrics`) on the
+  normalised pixels themselves, [N, H*W*C], as if the encoder were the identity."""
+  pixels = lambda x: np.asarray(fs_features.normalize_images(
+      np.asarray(x), np.asarray(dataset.mean, np.float32), np.asarray(dataset.std, np.float32))
+      ).reshape(len(x), -1)
+  return protocol_metrics(config, pixels(dataset.train_x), pixels(dataset.test_x), dataset)

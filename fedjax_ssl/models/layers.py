@@ -34,8 +34,11 @@ torch_kernel_init = nn.initializers.variance_scaling(1.0 / 3.0, 'fan_in', 'unifo
 
 # PyTorch defaults for BatchNorm{1,2}d: momentum 0.1 (flax keeps 1 - 0.1 of the old statistic),
 # eps 1e-5. Flax stores the biased batch variance in the running 'var' (PyTorch the unbiased one;
-# the factor n/(n-1) is negligible for the batch sizes used here).
-BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+# the factor n/(n-1) is negligible for the batch sizes used here). The batch variance is the two-pass
+# E[(x - E[x])^2] (`use_fast_variance=False`): flax's default E[x^2] - E[x]^2 cancels in float32 when
+# |mean| >> std and put the updates of a BYOL step 2e-4 to 2e-3 off a float64 reference, where
+# PyTorch's float32 step is 3e-6 to 7e-5 off (docs/notes/evaluation.md#eval-8).
+BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5, use_fast_variance=False)
 
 
 def torch_bias_init(fan_in: int) -> Initializer:

@@ -171,3 +171,28 @@ def test_summary_mean_std_and_markdown(tmp_path):
   assert entry['n'] == 3 and entry['seeds'] == [0, 1, 2] and entry['random_init_mean'] == 50.0
   md = reproduce.markdown(table, [entry], [0, 1, 2])
   assert f'| A | {ref.mean():.2f} ± {ref.std(ddof=1):.2f} (paper 70.00, {ref.mean() - 70:+.2f}) |' in md
+
+
+def test_command_line_overrides_apply_to_every_cell_and_are_recorded(tmp_path):
+  from experiments import reproduce as binary  # pylint: disable=g-import-not-at-top
+  argv, overrides = binary.split_overrides(
+      ['reproduce', '--table', 't.py', '--config.rounds=4', '--config.fedu2.lambda_u=0.5',
+       '--noconfig.drop_last', '--config.ssl_method=simclr', '--out', 'o'])
+  assert argv == ['reproduce', '--table', 't.py', '--out', 'o']
+  assert overrides == {'rounds': 4, 'fedu2.lambda_u': 0.5, 'drop_last': False,
+                       'ssl_method': 'simclr'}
+  with pytest.raises(cv.ConfigError, match=r"unknown config key 'config.roundz'.*'config.rounds'"):
+    binary.split_overrides(['reproduce', '--config.roundz=4'])
+  with pytest.raises(cv.ConfigError, match=r'--config.rounds=four is invalid: must be a int'):
+    binary.split_overrides(['reproduce', '--config.rounds=four'])
+  path = tmp_path / 'tiny.py'
+  path.write_text(TABLE)
+  table = reproduce.with_overrides(reproduce.load_table(str(path), 'quick'),
+                                   {'rounds': 4, 'ssl_method': 'simsiam'})
+  for row, column in table.cells():  # after the row's own ssl_method
+    config = reproduce.cell_config(table, row, column, seed=0)
+    assert (config.rounds, config.ssl_method) == (4, 'simsiam')
+  assert "Overrides applied to every cell: `rounds=4`, `ssl_method='simsiam'`." in (
+      reproduce.markdown(table, [], [0]))
+  with pytest.raises(cv.ConfigError, match=r"override \(every cell\): config key 'nope' does not"):
+    reproduce.cell_config(reproduce.with_overrides(table, {'nope': 1}), 'FedSimCLR', 'IID', 0)
