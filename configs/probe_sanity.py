@@ -26,6 +26,7 @@ def get_config():
   c.lr = 0.05
   c.lr_schedule = 'constant'
   c.weight_decay = 0.0
+  c.probe = 'adam'             # this check is of the Adam probe (the papers')
   c.probe_epochs = 50
   c.knn_k = 50
   c.checkpoint_every = 10

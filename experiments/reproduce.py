@@ -1,7 +1,7 @@
 r"""Reproduce a results table: every cell x seed through the training binary's code path.
 
   python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR \
-      [--seeds 0,1,2] [--scale quick|paper] [--only CELL_PATTERN ...]
+      [--seeds 0,1,2] [--scale quick|evidence|paper] [--only CELL_PATTERN ...]
 
 Each distinct (config, seed) is one run of `experiments.train.train_and_evaluate` in
 DIR/runs/<cell>/seed<k> (its checkpoints, metrics, plot and results.json). Rerunning the same command
@@ -46,7 +46,8 @@ _TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Comma-separated integer seeds.')
 _SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES),
-                           'quick: this table on a 2-core CPU with local data; paper: the paper.')
+                           'quick: a smoke-sized grid on a 2-core CPU; evidence: the CPU budget at which the '
+                           'methods learn (tables that define it); paper: the paper.')
 _ONLY = flags.DEFINE_multi_string('only', [], 'Cell names or fnmatch patterns to run (repeatable).')
 _LIST = flags.DEFINE_bool('list', False, 'Print the cells and their run directories, then exit.')
 flags.mark_flags_as_required(['table', 'out'])

@@ -12,8 +12,25 @@ WORKDIR/tb; orbax checkpoints (atomic) every `checkpoint_every` rounds under WOR
 Re-running with the same workdir resumes from the latest checkpoint and ends in exactly the state an
 uninterrupted run reaches: every random draw of round r derives from fold_in(root_key, r), and the
 log is truncated to the restored round. At the end: linear probe and kNN of the trained encoder next
-to those of the random-init encoder (WORKDIR/results.json) and a plot of loss and accuracy against
-rounds (WORKDIR/metrics.png).
+to those of the random-init encoder (WORKDIR/results.json, "status": "completed") and a plot of loss
+and accuracy against rounds (WORKDIR/metrics.png).
+
+What a run survives (fedjax_ssl/run_guard.py; each case ends in one line and an exit status):
+  * divergence: a non-finite loss or round metric, or non-finite new server parameters, stop the
+    run at that round (round, quantity, last finite value, what to try); results.json records
+    "status": "diverged"; exit status 3.
+  * SIGTERM / SIGINT (preemption, Ctrl-C): the current round finishes, its checkpoint is saved, the
+    command to resume is printed; exit status 128 + signal (143 / 130). Every process stops after
+    the same round; during the last round the run completes instead. A second signal stops at once.
+  * an unreadable checkpoint (damaged or partial files): reported (round, file, error), moved to
+    WORKDIR/checkpoints/corrupt/<round> and the newest intact one is used; with none intact the run
+    refuses to start over unless --restart.
+  * a resume under another config: refused with the differences listed (keys that cannot change
+    results, run_guard.NEUTRAL_KEYS, may change); --allow_config_change continues and records the
+    change and its round in WORKDIR/config_changes.json and results.json.
+  * a second run on the same workdir: refused while the first holds WORKDIR/run.lock (its host and
+    pid); the lock of a run that died is taken over with a warning.
+  Refusals exit with status 1 before any training.
 
 Several processes (JAX's multi-controller runtime, `jax.distributed`; on CPU its gloo collectives):
 start the same command once per process with --num_processes=N --process_id=i and one
@@ -31,8 +48,11 @@ takes part, as orbax requires), so a re-run resumes as above.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
+import signal
+import sys
 import time
 
 from absl import app, flags
@@ -51,7 +71,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fedjax_ssl import checkpoint, configuration, experiment, logging_utils, plotting  # noqa: E402
+from fedjax_ssl import (checkpoint, configuration, experiment, logging_utils, plotting,  # noqa: E402
+                        run_guard)
 from fedjax_ssl.data.info import DatasetInfo  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl.core import rng, strategies  # noqa: E402
@@ -65,6 +86,12 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
                                    'HOST:PORT of process 0, for a run over several processes.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 1, 'Processes of the run (jax.distributed).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', 0, 'This process, in [0, num_processes).')
+_RESTART = flags.DEFINE_bool(
+    'restart', False, 'Start over from round 0 when no checkpoint of the workdir can be read back '
+    '(they are kept under checkpoints/corrupt/); without it such a run stops.')
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+    'allow_config_change', False, 'Resume even though the config differs from the workdir\'s run; '
+    'the change and its round are recorded in config_changes.json and results.json.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 LOG_FILE = 'train.log'
@@ -82,7 +109,22 @@ def _scalars(results: dict) -> dict:
   return {k: v for k, v in results.items() if not isinstance(v, list)}
 
 
-_EVAL_KEYS = ('test_acc', 'knn_acc', 'probe_acc', 'probe_std_acc')
+_EVAL_KEYS = ('test_acc', 'knn_acc', 'probe_acc', 'probe_std_acc', 'ft_acc_1pct', 'ft_acc_10pct')
+
+
+def best_over_rounds(records: list, key: str) -> dict:
+  """{'<key>_best': the highest value of `key` over the logged rounds (round 0, the random-init
+  encoder, left out), '<key>_best_round': its round (the first on ties)}; {} when no round has it.
+
+  FedU2 reports the best kNN over rounds (its code logs `best_knn_acc`); the kNN monitor of every
+  `eval_every`-th round and the final evaluation compute the same kNN (k = knn_k on the whole
+  training split), so their maximum is that number at this run's evaluation cadence.
+  """
+  rounds = [(r[key], r['round']) for r in records if key in r and r['round'] > 0]
+  if not rounds:
+    return {}
+  best = max(v for v, _ in rounds)
+  return {f'{key}_best': best, f'{key}_best_round': min(i for v, i in rounds if v == best)}
 
 
 def _metrics_text(record: dict) -> str:
@@ -100,14 +142,20 @@ def _data_summary(config, dataset) -> str:
           f'{config.clients_per_round} per round')
 
 
-def train_and_evaluate(config, workdir: str, *, verbose: bool = True,
-                       bar_position: int = 0) -> dict:
-  """Runs (or resumes) the configured experiment; returns the final results dict.
+def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_position: int = 0,
+                       restart: bool = False, allow_config_change: bool = False) -> dict:
+  """Runs (or resumes) the configured experiment; returns the results dict.
 
   verbose=False leaves out the lines meant for a person (partition table, per-evaluation metrics,
-  closing summary; experiments.reproduce prints its own table): only the bar and warnings reach
-  the console. bar_position places the rounds bar under an outer bar (tqdm `position`). Library
-  logs go to WORKDIR/train.log (appended on resume), whatever `verbose`.
+  closing summary; experiments.reproduce prints its own table): only the bar, warnings and fault
+  lines reach the console. bar_position places the rounds bar under an outer bar (tqdm `position`).
+  Library logs go to WORKDIR/train.log (appended on resume), whatever `verbose`. `restart` and
+  `allow_config_change` are the binary's flags of those names.
+
+  Returns process 0's results ("status": "completed", or "diverged" when a round became non-finite:
+  the run stopped there); the other processes return only the status. Raises
+  `run_guard.RunStateError` (a ConfigError) when the workdir refuses the run, and
+  `run_guard.Preempted` (a SystemExit) after a stop signal once the round's checkpoint is saved.
   """
   with logging_utils.RunLog() as log:
     experiment.validate_config(config)
@@ -118,17 +166,41 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True,
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     primary = jax.process_index() == 0
-    log.open(workdir / (LOG_FILE if primary else f'train.process{jax.process_index()}.log'))
-    return _run(config, workdir, verbose=verbose and primary, bar_position=bar_position,
-                primary=primary)
+    with run_guard.WorkdirLock(workdir / run_guard.lock_name(jax.process_index())) as lock:
+      try:
+        warning, refused = lock.acquire(), None
+      except run_guard.RunStateError as e:
+        warning, refused = None, e
+      if run_guard.agree_max(refused is not None):  # every process refuses if one does
+        raise refused or run_guard.RunStateError(
+            f'workdir {workdir} is in use by another run (seen by another process of this run)')
+      log.open(workdir / (LOG_FILE if primary else f'train.process{jax.process_index()}.log'))
+      if warning:
+        run_guard.report(warning, echo=primary)
+      with run_guard.StopSignals() as stop, checkpoint.Checkpointer(
+          workdir / 'checkpoints', save_every=config.checkpoint_every) as ckpt:
+        return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
+                    bar_position=bar_position, primary=primary, restart=restart,
+                    allow_config_change=allow_config_change)
 
 
-def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, primary: bool
-         ) -> dict:
+def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
+         stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
+         restart: bool, allow_config_change: bool) -> dict:
   def say(message):  # a line for a person: train.log always, the console when verbose
     logging_utils.say(message, echo=verbose)
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
                     echo=False)
+  # Resuming continues the workdir's run: refuse another config before loading anything.
+  stored = run_guard.stored_config(workdir)
+  changes = run_guard.config_changes(stored, config) if stored is not None else {}
+  if changes and ckpt.all_rounds() and not allow_config_change:
+    run_guard.refuse_changed_config(workdir, changes)
+  elif changes and not ckpt.all_rounds():
+    run_guard.report(f'warning: the config differs from the workdir\'s config.json '
+                     f'({run_guard.format_changes(changes)}) and there is no checkpoint to '
+                     'resume: starting over from round 0', echo=primary)
+
   known_before_loading = configuration.dataset_info(config) is not None
   dataset = experiment.load_data(config)
   if not known_before_loading:  # validate_config could not check the sizes: check them now
@@ -151,27 +223,50 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
       f'{strategies.resolve_strategy(config.strategy)!r}')
 
   init_key, run_key = experiment.run_keys(config)
-  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
-  # Several processes: every process built the same data and state; make them global arrays.
+
+  def initial_state():
+    state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+    # Several processes: every process built the same data and state; make them global arrays.
+    return state.replace(server=strategies.replicate(state.server),
+                         round=strategies.replicate(state.round),
+                         clients=(state.clients if config.client_state == 'host' else
+                                  strategies.replicate(state.clients)))
   fed_data = strategies.replicate(fed_data)
-  state = state.replace(server=strategies.replicate(state.server),
-                        round=strategies.replicate(state.round),
-                        clients=(state.clients if config.client_state == 'host' else
-                                 strategies.replicate(state.clients)))
+  state = initial_state()
   per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
   say('communication per participant and round: ' + ', '.join(
       f'{c.name}: up {b.up:,} B, down {b.down:,} B'
       for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
 
+  # Restored before the random-init evaluation, so that a workdir without an intact checkpoint
+  # is refused before that compute. Unreadable checkpoints moved aside by an earlier attempt
+  # count: starting over needs --restart until the run has saved an intact one again.
+  start = 0
+  if ckpt.all_rounds() or ckpt.moved_aside():
+    restored = run_guard.restore_newest_intact(ckpt, state, echo=primary, primary=primary)
+    if restored is not None:
+      start, state, _ = restored
+      say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
+    elif not restart:
+      raise run_guard.RunStateError(
+          f'no intact checkpoint in {workdir / "checkpoints"} (the unreadable ones are kept under '
+          f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
+          'to start over from round 0')
+    else:
+      run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
+                       echo=primary)
+
+  # The reference evaluations are cached in the workdir for the config that wrote config.json.
   random_init_path = workdir / 'random_init.json'
   # Every process evaluates (on its own copy: no collective), so that all of them reach the next
   # round's collectives together; process 0 alone writes.
-  if random_init_path.exists():
+  if random_init_path.exists() and not changes:
     random_init = json.loads(random_init_path.read_text())
     took = f'(from {random_init_path.name})'
   else:
     t0 = time.time()
-    random_init = experiment.evaluate(config, algo, _local(state), dataset)
+    random_init = experiment.evaluate(config, algo, _local(state if start == 0 else
+                                                           initial_state()), dataset)
     if primary:
       _write_json(random_init_path, random_init)
     took = f'({time.time() - t0:.1f}s)'
@@ -181,7 +276,7 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
   raw_pixels = None
   if config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
     raw_path = workdir / 'raw_pixels.json'
-    if raw_path.exists():
+    if raw_path.exists() and not changes:
       raw_pixels = json.loads(raw_path.read_text())
     else:
       raw_pixels = experiment.raw_pixel_metrics(config, dataset)
@@ -189,30 +284,43 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
         _write_json(raw_path, raw_pixels)
     say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}')
 
-  ckpt = checkpoint.Checkpointer(workdir / 'checkpoints', save_every=config.checkpoint_every)
   writer = logging_utils.MetricsWriter(str(workdir)) if primary else None
-  start = 0
-  if ckpt.latest_round() is not None:
-    start, state, _ = ckpt.restore(state)
-    say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
   if primary and start == 0:
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
     _write_json(workdir / 'config.json', config.to_dict())
+    run_guard.clear_config_changes(workdir)
   elif primary:
-    writer.truncate_after(start)
+    writer.truncate_after(start)  # rows past the restored round are dropped before any append
+    if changes:  # --allow_config_change: the run goes on under the new values from here
+      run_guard.record_config_changes(workdir, start, changes)
+      _write_json(workdir / 'config.json', config.to_dict())
+      say(f'config changed at round {start}: {run_guard.format_changes(changes)}')
+  history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
+  param_names, params_finite = run_guard.make_finite_check(state.server)
+  watch = run_guard.DivergenceWatch(config.rounds, param_names, history)
 
   final = None
   bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
                                position=bar_position, leave=bar_position == 0,
                                disable=None if primary else True)
+  signum = stop.agreed()  # a signal during the set-up: there is no new round to save
+  if signum:
+    bar.close()
+    _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', primary)
   t_start = time.time()
   for r in range(start, config.rounds):
     state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
     record = {k: float(v) for k, v in metrics.items()}
+    diverged = watch.check(r + 1, record, params_finite(state.server))
     if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
       record.update(algo.host_metrics(state))
+    if diverged is not None:  # no evaluation and no checkpoint of a non-finite state
+      if primary:
+        _write_non_finite(writer, r + 1, record)
+      bar.close()
+      return _diverged(config, algo, diverged, random_init, raw_pixels, workdir, writer, primary)
     evaluated = True
     if r + 1 == config.rounds:
       final = experiment.evaluate(config, algo, _local(state), dataset)
@@ -233,27 +341,37 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
       logging_utils.say(f'round {r + 1}/{config.rounds}  {_metrics_text(record)}', echo=False)
     bar.set_metrics(record)
     bar.update(1)
+    # After the last round a signal lets the run finish: its evaluation is done, only the results
+    # are left to write.
+    signum = stop.agreed() if r + 1 < config.rounds else 0
     ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
-                    force=r + 1 == config.rounds)
+                    force=r + 1 == config.rounds or bool(signum))
+    if signum:
+      bar.close()
+      _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
+               f'{workdir / "checkpoints" / str(r + 1)} saved', primary)
   bar.close()
-  ckpt.close()
   if not primary:
-    return {}
+    return {'status': 'completed'}
 
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
     final = experiment.evaluate(config, algo, _local(state), dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(state))
   writer.close()
-  results = {'final': final, 'random_init': random_init, 'rounds': config.rounds,
-             'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  results = {'status': 'completed', 'final': final, 'random_init': random_init,
+             'rounds': config.rounds, 'algorithm': algo.name, 'ssl_method': config.ssl_method}
   if raw_pixels is not None:
     results['raw_pixels'] = raw_pixels
+  config_history = run_guard.read_config_changes(workdir)
+  if config_history:
+    results['config_changes'] = config_history
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if plan is not None:
     results[plan.key] = dict(plan.summary, **{k: final[k] for k in plan.final_metrics})
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+  final.update(best_over_rounds(records, 'knn_acc'))
   results['communication'] = _communication(algo, config, per_participant, records)
   _write_json(workdir / 'results.json', results)
 
@@ -278,6 +396,11 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
   if 'knn_acc' in final:
     say(f'kNN accuracy:          trained encoder {final["knn_acc"]:.4f} | '
         f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
+  for key in ('ft_acc_1pct', 'ft_acc_10pct'):
+    if key in final:
+      say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
+          f'{random_init.get(key, float("nan")):.4f}  (fine-tuned, config.finetune = '
+          f'{config.finetune!r})')
   if raw_pixels is not None:
     for key in ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'):
       if key in final:
@@ -286,6 +409,44 @@ def _run(config, workdir: pathlib.Path, *, verbose: bool, bar_position: int, pri
             f'{raw_pixels.get(key, float("nan")):.4f}')
   say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
       f'log: {workdir / LOG_FILE}')
+  return results
+
+
+def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, record: dict) -> None:
+  """Logs the round that diverged (metrics.jsonl keeps NaN / Infinity) without tensorboardX's
+  console warning about them: the divergence line says more."""
+  tb_log = logging.getLogger('tensorboardX.x2num')
+  level = tb_log.level
+  tb_log.setLevel(logging.ERROR)
+  try:
+    writer.write(round_idx, record)
+  finally:
+    tb_log.setLevel(level)
+
+
+def _stopped(signum: int, where: str, primary: bool):
+  """Reports a stop on `signum` and raises run_guard.Preempted (exit status 128 + signum)."""
+  run_guard.report(f'stopped by {signal.Signals(signum).name} {where}; resume with the same '
+                   f'command: {run_guard.resume_command()}', echo=primary)
+  raise run_guard.Preempted(signum)
+
+
+def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, raw_pixels,
+              workdir: pathlib.Path, writer, primary: bool) -> dict:
+  """Reports a divergence in one line and writes results.json with "status": "diverged"."""
+  run_guard.report(diverged.message(run_guard.divergence_hint(config.lr, config.grad_clip_norm)),
+                   echo=primary)
+  if not primary:
+    return {'status': 'diverged'}
+  writer.close()
+  results = {'status': 'diverged', 'diverged': diverged.to_json(), 'random_init': random_init,
+             'rounds': config.rounds, 'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if raw_pixels is not None:
+    results['raw_pixels'] = raw_pixels
+  config_history = run_guard.read_config_changes(workdir)
+  if config_history:
+    results['config_changes'] = config_history
+  _write_json(workdir / 'results.json', results)
   return results
 
 
@@ -324,10 +485,13 @@ def main(argv):
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=n,
                                process_id=pid)
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    results = train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value,
+                                 allow_config_change=_ALLOW_CONFIG_CHANGE.value)
   finally:
     if n > 1:
       jax.distributed.shutdown()
+  if results['status'] == 'diverged':  # the message is printed; the status tells a script
+    sys.exit(run_guard.EXIT_DIVERGED)
 
 
 if __name__ == '__main__':

@@ -29,6 +29,18 @@ state buffers right after it returns and a kill after it returns never loses
 that round. The deletion of rounds beyond ``max_to_keep`` is not atomic
 (``rmtree``), but it only ever touches rounds older than the one just
 committed, so the latest round is always complete.
+
+Atomic saves do not protect against damage after the fact (a disk error, a
+partial copy of the directory, a file overwritten): ``restore`` tells a
+checkpoint that cannot be read back (``UnreadableCheckpoint``, naming the round,
+the file when the error names one, and the error) from one of another state
+layout (``ValueError``), and ``move_aside`` moves an unreadable one to
+``<directory>/corrupt/<round>`` (step discovery only lists integer names, so
+it is no longer a candidate). Orbax keeps no checksum of the array data: a
+flipped bit inside a compressed chunk that still decodes is not detected. A
+failed restore leaves TensorStore reads pending on the asyncio loop orbax has
+closed; their "Event loop is closed" errors (harmless, one traceback each) are
+dropped until ``close``.
 """
 
 from __future__ import annotations
@@ -36,12 +48,100 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import re
+import sys
+import traceback
 from typing import Any
 
 import orbax.checkpoint as ocp
 
 _STATE = 'state'
 _METADATA = 'metadata'
+CORRUPT_DIR = 'corrupt'
+
+# How orbax 0.12 words a template that does not match the saved tree (its structure:
+# base_pytree_checkpoint_handler; a shape: serialization.py); a read error without these words is
+# damage to the checkpoint's files.
+_MISMATCH_MARKERS = ('structures do not match', 'is not compatible with the stored shape')
+# Errors orbax and TensorStore raise for a damaged or missing file, searched for along the error's
+# causes (orbax wraps some in a bare Exception): DATA_LOSS / FAILED_PRECONDITION (ValueError),
+# undecodable JSON metadata (UnicodeDecodeError, JSONDecodeError: ValueErrors), a missing item
+# directory (KeyError, FileNotFoundError). An error with none of them is a bug and propagates.
+_READ_ERRORS = (ValueError, KeyError, OSError)
+
+
+class UnreadableCheckpoint(Exception):
+  """A checkpoint whose files cannot be read back (damaged, truncated or missing)."""
+
+  def __init__(self, round_idx: int, path: str, file: str, error: str):
+    self.round_idx, self.path, self.file, self.error = round_idx, path, file, error
+    where = f'{file}: ' if file else ''
+    super().__init__(f'checkpoint of round {round_idx} in {os.path.dirname(path)} is unreadable '
+                     f'({where}{error})')
+
+
+def _chain(error: BaseException) -> list:
+  """The error and its causes, outermost first (orbax wraps TensorStore's error in a bare
+  Exception)."""
+  out = []
+  while error is not None and error not in out:
+    out.append(error)
+    error = error.__cause__ or error.__context__
+  return out
+
+
+def _read_error(error: BaseException) -> BaseException | None:
+  """The innermost error of the chain that is a read error (`_READ_ERRORS`), else None."""
+  found = [e for e in _chain(error) if isinstance(e, _READ_ERRORS)]
+  return found[-1] if found else None
+
+
+def _reason(error: BaseException, step_dir: str) -> str:
+  """One short line: the error's first line with paths relative to the checkpoint, from its last
+  'Error ...' clause on (TensorStore nests 'Error opening ...: Error reading ...: <cause>'), without
+  TensorStore's trailing [source locations] and spec."""
+  message = error.args[0] if isinstance(error, KeyError) and error.args else error  # no repr quotes
+  text = (str(message).strip().splitlines() or [type(error).__name__])[0]
+  text = re.sub(r'\s*\[(source locations|tensorstore_spec)[^=]*=.*$', '', text)
+  text = text.replace(step_dir + os.sep, '')
+  if 'Error ' in text:
+    text = text[text.rindex('Error '):]
+  return text if len(text) <= 200 else text[:197] + '...'
+
+
+def _is_closed_loop_callback(unraisable) -> bool:
+  """Whether an unraisable error is TensorStore completing a read of a failed restore after orbax
+  closed that restore's asyncio loop (`call_soon_threadsafe` on a closed loop): harmless, the
+  restore has already raised; printed, it is a traceback per pending read."""
+  exc = unraisable.exc_value
+  return (isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and
+          any(f.name == 'call_soon_threadsafe'
+              for f in traceback.extract_tb(unraisable.exc_traceback)))
+
+
+def _damaged_file(step_dir: str, error: BaseException) -> str:
+  """The file of `step_dir` the error is about, relative to it ('' when none is found).
+
+  TensorStore names the file it failed on; orbax's JSON metadata files (every file but the
+  ``*.ocdbt`` manifests, the array data under ``d/`` and the commit markers) are read to find one
+  that does not parse, since a decode error names none.
+  """
+  for path in re.findall(r'local file "([^"]+)"', ' '.join(str(e) for e in _chain(error))):
+    if os.path.abspath(path).startswith(step_dir + os.sep) and os.path.isfile(path):
+      return os.path.relpath(path, step_dir)
+  for root, _, files in sorted(os.walk(step_dir)):
+    if os.path.basename(root) == 'd':
+      continue
+    for name in sorted(files):
+      if name.endswith('.ocdbt') or name == 'commit_success.txt':
+        continue
+      path = os.path.join(root, name)
+      try:
+        with open(path, encoding='utf-8') as f:
+          json.load(f)
+      except ValueError:
+        return os.path.relpath(path, step_dir)
+  return ''
 
 
 class Checkpointer:
@@ -92,6 +192,7 @@ class Checkpointer:
       )
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=(_STATE, _METADATA))
+    self._unraisablehook = None  # the hook `restore` wraps, put back by `close`
 
   def all_rounds(self) -> list[int]:
     """Rounds with a complete checkpoint on disk, ascending."""
@@ -162,6 +263,10 @@ class Checkpointer:
 
     Returns:
       (round_idx, state, metadata dict).
+
+    Raises:
+      UnreadableCheckpoint: the checkpoint's files cannot be read back.
+      ValueError: the checkpoint holds another tree structure or shapes than the template.
     """
     rounds = self.all_rounds()
     if not rounds:
@@ -172,6 +277,9 @@ class Checkpointer:
       raise ValueError(
           f'round_idx = {round_idx!r} has no checkpoint in {self.directory}; '
           f'available rounds: {rounds}')
+    if self._unraisablehook is None:  # until close(): the reads outlive a failed restore
+      self._unraisablehook = sys.unraisablehook
+      sys.unraisablehook = self._drop_closed_loop_callbacks
     try:
       restored = self._manager.restore(
           round_idx,
@@ -179,15 +287,53 @@ class Checkpointer:
               _STATE: ocp.args.StandardRestore(template_state),
               _METADATA: ocp.args.JsonRestore(),
           }))
-    except ValueError as e:
-      raise ValueError(
-          f'checkpoint {self.directory}/{round_idx} does not match the '
-          f'template state: {e}') from e
+    except Exception as e:  # pylint: disable=broad-except  (classified below)
+      step_dir = os.path.join(self.directory, str(round_idx))
+      cause = _read_error(e)
+      if cause is None:  # not a file problem: a bug, propagated as it is
+        raise
+      mismatch = [x for x in _chain(e) if any(m in str(x) for m in _MISMATCH_MARKERS)]
+      if mismatch:
+        raise ValueError(
+            f'checkpoint {step_dir} does not match the template state: {mismatch[0]}') from e
+      raise UnreadableCheckpoint(round_idx, step_dir, _damaged_file(step_dir, e),
+                                 _reason(cause, step_dir)) from e
     return round_idx, restored[_STATE], dict(restored[_METADATA])
+
+  def move_aside(self, round_idx: int) -> str:
+    """Moves the checkpoint of ``round_idx`` to ``<directory>/corrupt/<round>`` (``<round>.1``,
+    ... when taken) and returns that path; kept, never deleted, so it can be inspected or moved
+    back. With several processes only process 0 calls it (the others ``reload``)."""
+    if self.read_only:
+      raise ValueError(f'Checkpointer({self.directory!r}) was opened with read_only=True')
+    corrupt = os.path.join(self.directory, CORRUPT_DIR)
+    os.makedirs(corrupt, exist_ok=True)
+    dest, n = os.path.join(corrupt, str(round_idx)), 0
+    while os.path.exists(dest):
+      n += 1
+      dest = os.path.join(corrupt, f'{round_idx}.{n}')
+    os.rename(os.path.join(self.directory, str(round_idx)), dest)
+    self.reload()
+    return dest
+
+  def moved_aside(self) -> list[str]:
+    """The names under ``<directory>/corrupt/`` (checkpoints ``move_aside`` kept), sorted."""
+    corrupt = os.path.join(self.directory, CORRUPT_DIR)
+    return sorted(os.listdir(corrupt)) if os.path.isdir(corrupt) else []
+
+  def reload(self) -> None:
+    """Lists the rounds on disk again (after another process moved or saved one)."""
+    self._manager.reload()
+
+  def _drop_closed_loop_callbacks(self, unraisable) -> None:
+    if not _is_closed_loop_callback(unraisable):
+      self._unraisablehook(unraisable)
 
   def close(self) -> None:
     """Waits for outstanding work and releases orbax resources."""
     self._manager.close()
+    if self._unraisablehook is not None:
+      sys.unraisablehook, self._unraisablehook = self._unraisablehook, None
 
   def __enter__(self) -> Checkpointer:
     return self

@@ -32,13 +32,16 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import algorithms, experiment
 
-SCALES = ('quick', 'paper')
+SCALES = ('quick', 'evidence', 'paper')
+# A table file lists the scales it defines in its own SCALES (these two when it does not).
+DEFAULT_TABLE_SCALES = ('quick', 'paper')
 
 # Metric key in a run's results.json 'final' dict -> how the table names it. Accuracies are stored
 # as fractions and shown (and given by the papers) in percent.
 METRICS = {
     'probe_acc': 'linear probe (%)',
     'knn_acc': 'kNN (%)',
+    'knn_acc_best': 'kNN, best over the evaluated rounds (%)',
     'probe_std_acc': 'linear probe on standardised features (%)',
     'test_acc': 'test accuracy, client mean (%)',
     # config.probe = 'logistic' (eval/protocol.py): label fractions and a second kNN k.
@@ -48,12 +51,18 @@ METRICS = {
     'knn_acc_10pct': 'kNN, 10% of the labels (%)',
     'knn_acc_1pct': 'kNN, 1% of the labels (%)',
     'knn_acc_1pct_k20': 'kNN, 1% of the labels, k = 20 (%)',
+    # config.finetune (eval/finetune.py): encoder + linear head fine-tuned on a stratified subset.
+    'ft_acc_1pct': 'fine-tuned, 1% of the labels (%)',
+    'ft_acc_10pct': 'fine-tuned, 10% of the labels (%)',
 }
 
 
 def cohort_metric(metric: str) -> Optional[Tuple[str, str]]:
   """(base metric, cohort) for a per-architecture metric such as 'probe_acc_resnet18' (the mean
-  over that cohort's clients, experiment.evaluate), else None."""
+  over that cohort's clients, experiment.evaluate), else None (also for a METRICS key such as
+  'knn_acc_1pct', which is no cohort of 'knn_acc')."""
+  if metric in METRICS:
+    return None
   for base in sorted(METRICS, key=len, reverse=True):
     if (metric.startswith(base + '_') and len(metric) > len(base) + 1
         and metric != base + '_clients'):  # the per-client list, not a cohort
@@ -67,6 +76,38 @@ def metric_name(metric: str) -> str:
     return METRICS[metric]
   base, cohort = cohort_metric(metric)
   return f'{METRICS[base]}, {cohort} clients'
+
+
+# Reference rows every table can add (`reference_rows`): supervised FedAvg with the same encoder and
+# budget (the ceiling a label-free method is measured against) and centralized SSL (all data on one
+# client: the ceiling of federating). The random-init encoder and raw pixels come with every run.
+def reference_rows(ssl_method: str, **extra: Any) -> Dict[str, Dict[str, Any]]:
+  """{row label: overrides} of the two trained reference rows for a table of `ssl_method` runs;
+  `extra` is applied to both (e.g. the encoder of a per-architecture table)."""
+  return {
+      'FedAvg (supervised)': dict(algorithm='fedavg', ssl_method='supervised', **extra),
+      f'Centralized {ssl_method}': dict(algorithm='centralized', ssl_method=ssl_method,
+                                       num_clients=1, clients_per_round=1, partition='iid',
+                                       **extra),
+  }
+
+
+# The two references every run evaluates besides its trained encoder, as `Claim.worse` may name them.
+RANDOM_INIT, RAW_PIXELS = 'random-init encoder', 'raw pixels'
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+  """One claim a table tests: row `better` scores above row `worse` on `metric`.
+
+  `worse` may also be RANDOM_INIT or RAW_PIXELS (the references of `better`'s own runs). The verdict
+  (`verdict`) is taken per column, over the seeds both cells finished.
+  """
+  text: str
+  better: str
+  worse: str
+  metric: str
+  columns: Tuple[str, ...] = ()     # () = every column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +130,7 @@ class Table:
     skip: (row, column) pairs that are not run (a level the paper does not report there).
     overrides: config key -> value applied to every cell after everything else (the command line's
       `--config.KEY=VALUE`, `with_overrides`); recorded in table.md.
+    claims: what the table tests; table.md ends with a verdict per claim and column.
   """
   name: str
   title: str
@@ -103,6 +145,7 @@ class Table:
       default_factory=dict)
   skip: frozenset = frozenset()
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  claims: Tuple[Claim, ...] = ()
 
   def cells(self) -> List[Tuple[str, str]]:
     """(row, column) pairs in display order, without the skipped ones."""
@@ -145,6 +188,18 @@ def check_table(table: Table) -> None:
     if not isinstance(value, (int, float)) or not math.isfinite(value):
       raise cv.ConfigError(f'table {table.name!r}: paper entry {(r, c, m)!r} = {value!r} is not a '
                            'finite number')
+  for claim in table.claims:
+    if claim.better not in table.rows or claim.worse not in (*table.rows, RANDOM_INIT, RAW_PIXELS):
+      raise cv.ConfigError(f'table {table.name!r}: claim {claim.text!r} compares {claim.better!r} '
+                           f'with {claim.worse!r}; allowed: rows {list(table.rows)}, or '
+                           f'{RANDOM_INIT!r} / {RAW_PIXELS!r} as the lower one')
+    if claim.metric not in table.metrics:
+      raise cv.ConfigError(f'table {table.name!r}: claim {claim.text!r} uses metric '
+                           f'{claim.metric!r}, not one of the table\'s {table.metrics}')
+    unknown = [c for c in claim.columns if c not in table.columns]
+    if unknown:
+      raise cv.ConfigError(f'table {table.name!r}: claim {claim.text!r} names columns {unknown}; '
+                           f'allowed: {list(table.columns)}')
 
 
 def load_table(path: str, scale: str) -> Table:
@@ -159,6 +214,9 @@ def load_table(path: str, scale: str) -> Table:
   spec.loader.exec_module(module)
   if not hasattr(module, 'get_table'):
     raise cv.ConfigError(f'--table = {path!r} defines no get_table(scale)')
+  defined = getattr(module, 'SCALES', DEFAULT_TABLE_SCALES)
+  if scale not in defined:
+    raise cv.ConfigError(f'--scale = {scale!r} is not defined by {path}: it defines {tuple(defined)}')
   table = module.get_table(scale)
   check_table(table)
   return table
@@ -223,10 +281,10 @@ def run_key(config: ml_collections.ConfigDict) -> str:
 
 def _saved_config_matches(run: 'RunSpec', workdir: pathlib.Path) -> bool:
   """Whether the workdir's config.json (written by the training binary) is the run's config."""
-  saved = workdir / 'config.json'
-  if not saved.exists():
+  if not (workdir / 'config.json').exists():
     return False
-  return run_key(ml_collections.ConfigDict(json.loads(saved.read_text()))) == run_key(run.config)
+  # Over today's defaults: a key added to the library since the run (at its default) is no change.
+  return run_key(experiment.load_run_config(workdir)) == run_key(run.config)
 
 
 @dataclasses.dataclass
@@ -316,9 +374,12 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
       continue
     entries = per_cell[(row, column)]
     for metric in table.metrics:
-      values, inits, pixels, errors, seeds = [], [], [], [], []
+      values, inits, pixels, errors, seeds, diverged = [], [], [], [], [], []
       for run, status, payload in entries:
-        if status == 'done':
+        if status == 'done' and payload.get('status') == 'diverged':  # marked, never averaged
+          diverged.append(f'seed {run.seed}: diverged at round {payload["diverged"]["round"]} '
+                          f'({payload["diverged"]["quantity"]})')
+        elif status == 'done':
           if metric not in payload['final']:
             # A per-architecture metric exists only for runs with cohorts (not for baselines); a
             # run with cohorts but without this one has a misspelled cohort name.
@@ -331,7 +392,7 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')
-      if cohort_metric(metric) and not values and not errors and all(
+      if cohort_metric(metric) and not values and not errors and not diverged and all(
           status == 'done' for _, status, _ in entries):
         continue
       paper = table.paper.get((row, column, metric))
@@ -344,9 +405,61 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           'values': values, 'seeds': seeds,
           'random_init_mean': float(np.mean(inits)) if inits else float('nan'),
           'raw_pixels_mean': float(np.mean(pixels)) if pixels else float('nan'),
+          'random_init_values': inits, 'raw_pixels_values': pixels,
           'pending': sum(status == 'missing' for _, status, _ in entries),
-          'errors': errors})
+          'errors': errors, 'diverged': diverged})
   return rows
+
+
+def _paired(summary: Sequence[Dict[str, Any]], claim: Claim, column: str
+            ) -> Optional[Tuple[List[float], List[float]]]:
+  """Per-seed values (better, worse) of `claim` in `column` over the seeds both cells have."""
+  by_key = {(e['row'], e['column'], e['metric']): e for e in summary}
+  hi = by_key.get((claim.better, column, claim.metric))
+  if hi is None:
+    return None
+  if claim.worse in (RANDOM_INIT, RAW_PIXELS):
+    key = 'random_init_values' if claim.worse == RANDOM_INIT else 'raw_pixels_values'
+    pairs = [(a, b) for a, b in zip(hi['values'], hi[key]) if math.isfinite(b)]
+  else:
+    lo = by_key.get((claim.worse, column, claim.metric))
+    if lo is None:
+      return None
+    lo_by_seed = dict(zip(lo['seeds'], lo['values']))
+    pairs = [(a, lo_by_seed[s]) for s, a in zip(hi['seeds'], hi['values']) if s in lo_by_seed]
+  return [a for a, _ in pairs], [b for _, b in pairs]
+
+
+def verdict(better: Sequence[float], worse: Sequence[float]) -> Dict[str, Any]:
+  """The verdict on 'better > worse' from per-seed values (percent).
+
+  effect = mean(better) − mean(worse); spread = the larger of the two sample stds over seeds.
+  'confirmed' needs effect > 2·spread, 'reversed' effect < −2·spread, else 'not confirmed'; fewer
+  than 2 seeds give 'too few seeds' (no spread to compare with).
+  """
+  n = min(len(better), len(worse))
+  if n == 0:
+    return {'n': 0, 'effect': float('nan'), 'spread': float('nan'), 'verdict': 'no runs'}
+  effect = float(np.mean(better) - np.mean(worse))
+  if n < 2:
+    return {'n': n, 'effect': effect, 'spread': float('nan'), 'verdict': 'too few seeds'}
+  spread = float(max(np.std(better, ddof=1), np.std(worse, ddof=1)))
+  word = ('confirmed' if effect > 2 * spread else 'reversed' if effect < -2 * spread
+          else 'not confirmed')
+  return {'n': n, 'effect': effect, 'spread': spread, 'verdict': word}
+
+
+def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """One entry per (claim, column) with results: claim, column, metric, n, effect, spread, verdict."""
+  out = []
+  for claim in table.claims:
+    for column in claim.columns or tuple(table.columns):
+      pair = _paired(summary, claim, column)
+      if pair is None:
+        continue
+      out.append({'claim': claim.text, 'better': claim.better, 'worse': claim.worse,
+                  'column': column, 'metric': claim.metric, **verdict(*pair)})
+  return out
 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
@@ -355,29 +468,39 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
 
 def _md_cell(entry: Dict[str, Any]) -> str:
   if entry['n'] == 0:
-    return 'failed' if entry['errors'] else 'pending'
+    return _no_value(entry)
   text = _fmt(entry['mean'])
   if entry['n'] > 1:
     text += f' ± {_fmt(entry["std"])}'
   if entry['paper'] is not None:
     text += f' (paper {_fmt(entry["paper"])}, {entry["diff"]:+.2f})'
-  if entry['errors'] or entry['pending']:
-    text += f' [{entry["n"]} of {entry["n"] + entry["pending"] + len(entry["errors"])} seeds]'
+  lost = len(entry['errors']) + len(entry['diverged'])
+  if lost or entry['pending']:
+    text += (f' [{entry["n"]} of {entry["n"] + entry["pending"] + lost} seeds'
+             + (f', {len(entry["diverged"])} diverged]' if entry['diverged'] else ']'))
   return text
+
+
+def _no_value(entry: Dict[str, Any]) -> str:
+  """What a cell without a value shows: 'failed' (an error), 'diverged' (every finished seed
+  diverged) or 'pending'."""
+  return 'failed' if entry['errors'] else 'diverged' if entry['diverged'] else 'pending'
 
 
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
   fields = ['row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
-            'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'pending', 'errors']
+            'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'pending', 'errors',
+            'diverged']
   tmp = path.with_suffix('.csv.tmp')
   with open(tmp, 'w', newline='') as f:
     w = csv.DictWriter(f, fieldnames=fields)
     w.writeheader()
     for e in summary:
-      w.writerow({**{k: e[k] for k in fields if k not in ('seeds', 'values', 'errors')},
+      w.writerow({**{k: e[k] for k in fields
+                     if k not in ('seeds', 'values', 'errors', 'diverged')},
                   'seeds': ' '.join(str(s) for s in e['seeds']),
                   'values': ' '.join(f'{v:.4f}' for v in e['values']),
-                  'errors': ' | '.join(e['errors'])})
+                  'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged'])})
   tmp.replace(path)
 
 
@@ -424,6 +547,20 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
         lines.append(f'- `{cell}` {err.splitlines()[0] if err else ""}')
   if table.notes:
     lines += ['', table.notes.strip()]
+  found = verdicts(table, summary)
+  if found:
+    lines += ['', '## Verdict', '',
+              'Effect = mean(higher row) − mean(lower row) over the seeds both finished, in points; '
+              'spread = the larger seed std of the two. *Confirmed* needs effect > 2 × spread, '
+              '*reversed* effect < −2 × spread.', '',
+              '| claim | column | metric | effect | spread | seeds | verdict |',
+              '|---|---|---|---|---|---|---|']
+    for v in found:
+      lines.append(f"| {v['claim']} | {v['column']} | {metric_name(v['metric'])} | "
+                   f"{v['effect']:+.2f} | {_fmt(v['spread'])} | {v['n']} | **{v['verdict']}** |"
+                   if math.isfinite(v['effect']) else
+                   f"| {v['claim']} | {v['column']} | {metric_name(v['metric'])} | – | – | 0 | "
+                   f"{v['verdict']} |")
   return '\n'.join(lines) + '\n'
 
 
@@ -452,7 +589,7 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
           continue
         x = i - 0.4 + width * (j + 0.5)
         if not e['n']:
-          missing.append((x, 'failed' if e['errors'] else 'pending'))
+          missing.append((x, _no_value(e)))
           continue
         ax.bar(x, e['mean'], width * 0.9, yerr=e['std'] if e['n'] > 1 else 0.0, capsize=2,
                color=f'C{j % 10}', alpha=0.8)

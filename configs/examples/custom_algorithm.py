@@ -78,6 +78,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.lr = 0.1
   c.weight_decay = 0.0
   c.temperature = 0.2
-  c.probe_epochs = 20
   c.checkpoint_every = 5
   return c

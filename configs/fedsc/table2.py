@@ -3,8 +3,9 @@ r"""FedSC Table 2: linear probe, full and partial participation, SVHN / CIFAR-10
   python -m experiments.reproduce --table configs/fedsc/table2.py --out DIR --scale paper
   python -m experiments.reproduce --table configs/fedsc/table2.py --out DIR   # quick
 
-Rows we implement: FedAvg + BYOL, FedAvg + SC, FedU, FedEMA, FedSC, centralized SC. The paper's
-FedX and FedCA rows are not implemented in this library (their numbers stay in PAPER for reference).
+Rows we implement: FedAvg + BYOL, FedAvg + SC, FedU, FedEMA, FedX, FedSC, centralized SC, and
+supervised FedAvg as a reference. The paper's FedCA row is not implemented in this library (its
+numbers stay in NOT_IMPLEMENTED for reference).
 
 paper: configs/fedsc/common.paper_base per dataset (the official code's protocol), 200
   rounds, non-DP FedSC sharing every round. Partial participation = the code's max(int(0.2 J), 2)
@@ -17,7 +18,9 @@ from configs.fedsc import common as fedsc_common
 from fedjax_ssl import reproduce
 
 ROWS = dict(fedsc_common.BASELINES, **{'FedSC': fedsc_common.FEDSC,
-                                       'Centralized SC': fedsc_common.CENTRALIZED})
+                                       'Centralized SC': fedsc_common.CENTRALIZED},
+            **{'FedAvg (supervised)': dict(algorithm='fedavg', ssl_method='supervised',
+                                           drop_last=True)})
 
 # Table 2 of the paper (linear probe %), columns SVHN 5/5, C10 10/10, C100 20/20, SVHN 2/5,
 # C10 2/10, C100 4/20. Centralized SC has no partial entries.
@@ -28,9 +31,9 @@ PAPER = {
     'FedEMA': (91.87, 68.78, 44.18, 88.97, 65.93, 39.78),
     'FedSC': (91.78, 80.06, 58.35, 91.03, 77.12, 56.64),
     'Centralized SC': (93.17, 90.21, 64.32, None, None, None),
+    'FedX': (74.60, 59.17, 39.70, 73.34, 57.42, 33.54),
 }
-NOT_IMPLEMENTED = {'FedX': (74.60, 59.17, 39.70, 73.34, 57.42, 33.54),
-                   'FedCA': (89.92, 78.22, 52.35, 89.28, 77.22, 51.58)}
+NOT_IMPLEMENTED = {'FedCA': (89.92, 78.22, 52.35, 89.28, 77.22, 51.58)}
 
 
 def _paper_columns():
@@ -61,10 +64,14 @@ def get_table(scale: str) -> reproduce.Table:
   else:
     base = fedsc_common.quick_base()
     columns = {'FMNIST 10/10': {'clients_per_round': 10}, 'FMNIST 2/10': {'clients_per_round': 2}}
-    paper, rows, metrics = {}, dict(ROWS), ('probe_acc', 'knn_acc', 'probe_std_acc')
+    paper, rows, metrics = {}, dict(ROWS), ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20')
   return reproduce.Table(
       name='fedsc_table2', title='FedSC Table 2: linear probe, full and partial participation',
       base=base, rows=rows, columns=columns, metrics=metrics, paper=paper, scale=scale,
+      claims=(reproduce.Claim('FedSC > FedAvg + SC (sharing correlation matrices)', 'FedSC',
+                              'FedAvg + SC', 'probe_acc'),
+              reproduce.Claim('FedSC > FedAvg + BYOL', 'FedSC', 'FedAvg + BYOL', 'probe_acc'),
+              reproduce.Claim('FedSC learns', 'FedSC', reproduce.RANDOM_INIT, 'probe_acc')),
       notes=('Linear probe: Adam 3e-3, 200 epochs, backbone features, last epoch. Not implemented: '
-             'FedX, FedCA (paper: ' + '; '.join(f'{k} {v}' for k, v in NOT_IMPLEMENTED.items())
+             'FedCA (paper: ' + '; '.join(f'{k} {v}' for k, v in NOT_IMPLEMENTED.items())
              + '). Quick scale: Fashion-MNIST, LeNet-5, 20 rounds; not comparable to the paper.'))

@@ -30,6 +30,7 @@ def paper_base(dataset: str = 'cifar10'):
   c.lr_schedule = 'constant'
   c.temperature = 0.07
   c.ema_tau = 0.99
+  c.probe = 'adam'               # the paper's probe, to compare with its numbers
   c.probe_epochs = 200
   c.eval_every = 10
   return c
@@ -54,8 +55,6 @@ def quick_base():
   c.lr_schedule = 'cosine'
   c.temperature = 0.2
   c.ema_tau = 0.99
-  c.probe_epochs = 20
-  c.probe_std_epochs = 100
   c.eval_every = 5
   c.checkpoint_every = 5
   # The code's fixed server step (lr 8, a move of up to 16 in parameter norm) was sized for
@@ -64,6 +63,25 @@ def quick_base():
   c.fedu2.step = 'deviation'
   c.fedu2.server_lr = 1.0
   return c
+
+
+# The baselines' own hyper-parameters in the FedU2 code (`src/mains/train_*.py`), used at paper
+# scale; the quick scale keeps one budget for every row.
+BASELINE_HPARAMS = {
+    'byol': {'lr': 0.032, 'weight_decay': 5e-4},       # FedBYOL, FedU, FedEMA, FedDecorr, L-DAWA
+    'simsiam': {'lr': 0.032, 'weight_decay': 5e-4},
+    'simclr': {'lr': 0.032, 'weight_decay': 1e-4, 'temperature': 0.07},
+}
+# Baselines whose code sets its own, whatever the backbone.
+ALGORITHM_HPARAMS = {'fedx': {'lr': 0.01, 'weight_decay': 1e-5}}
+
+
+def baseline(scale: str, method: str, algorithm: str = 'fedavg', **extra):
+  """Overrides of one baseline row: `algorithm` over `method`, with the code's hyper-parameters of
+  that baseline at paper scale."""
+  hparams = (ALGORITHM_HPARAMS.get(algorithm, BASELINE_HPARAMS[method]) if scale == 'paper'
+             else {})
+  return {'algorithm': algorithm, 'ssl_method': method, **hparams, **extra}
 
 
 def fedu2_rows(method: str):

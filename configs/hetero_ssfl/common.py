@@ -68,6 +68,7 @@ def paper_base(dataset='cifar10'):
   c.local_epochs = 5
   c.batch_size = 200
   c.rounds = 200
+  c.probe = 'adam'               # the paper's probe, to compare with its numbers
   c.probe_epochs = 100
   c.probe_batch_size = 512
   c.probe_lr = 3e-3
@@ -94,7 +95,6 @@ def quick_base():
   c.lr = 0.05
   c.weight_decay = 0.0
   c.ema_tau = 0.96
-  c.probe_epochs = 30
   c.checkpoint_every = 5
   c.hetero_ssfl.mu = 1.0
   c.hetero_ssfl.rad_batch = 250

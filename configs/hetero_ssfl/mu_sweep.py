@@ -46,6 +46,10 @@ def get_table(scale: str) -> reproduce.Table:
   return reproduce.Table(
       name='hetero_mu_sweep', title='Hetero-SSFL: standalone (mu = 0) vs collaboration, by architecture',
       base=base, rows=rows, columns={column: {}}, metrics=metrics, paper=paper, scale=scale,
+      # The paper's claim: collaboration (its mu) beats local SSL on every architecture.
+      claims=tuple(reproduce.Claim(f'{_label(mus[3] if scale == "paper" else mus[1])} > local SSL'
+                                   f' ({m})', _label(mus[3] if scale == 'paper' else mus[1]),
+                                   _label(0.0), m) for m in metrics[:-1]),
       notes=('Personal models: each client\'s encoder probed on the full training split (Adam 3e-3, '
              'batch 512) and tested on the full test split; "probe_acc_<encoder>" is the mean over '
              'that architecture\'s clients, "probe_acc" over all clients. Quick scale: '

@@ -62,6 +62,7 @@ def paper_base():
   c.local_epochs = 1
   c.batch_size = 16
   c.knn_k = 0                   # the metric is the classifier's test accuracy
+  c.probe = 'adam'              # with probe_epochs = 0: no probe, the classifier's test accuracy only
   c.probe_epochs = 0
   c.eval_every = 1              # accuracy after every round (Fig. 4)
   c.checkpoint_every = 5

@@ -46,6 +46,10 @@ def get_table(scale: str) -> reproduce.Table:
       name='repshare_table1',
       title='Representation sharing Table 1: test accuracy, client mean, after r rounds',
       base=base, rows=rc.ROWS, columns=columns, metrics=('test_acc',), paper=paper, scale=scale,
+      # The paper's ordering: Ours > FL > IL (CL is the all-data ceiling).
+      claims=(reproduce.Claim('Ours > FL', 'Ours', 'FL', 'test_acc'),
+              reproduce.Claim('FL > IL', 'FL', 'IL', 'test_acc'),
+              reproduce.Claim('Ours > IL', 'Ours', 'IL', 'test_acc')),
       skip=skip,
       notes=('Each client classifier on the full 10,000-image test set after the last round; the '
              'client mean (CL: its single model; FL: the global model). IID equal split of the '

@@ -11,5 +11,5 @@ A researcher's own algorithm registers the same way from their own file
 """
 # Importing a module registers it; the order is the order of `names()`.
 from fedjax_ssl.algorithms import fedavg, fedu, fedema, fedu2, fedsc, hetero_ssfl  # noqa: F401
-from fedjax_ssl.algorithms import repshare, fd, independent  # noqa: F401
+from fedjax_ssl.algorithms import repshare, fd, independent, feddecorr, ldawa, fedx  # noqa: F401
 from fedjax_ssl.algorithms.registry import Plan, get, names, register  # noqa: F401

@@ -137,4 +137,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 registry.register('fd', build, defaults=config_block, validate=validate, methods=('supervised',),
                   methods_note='it trains classifiers',
-                  doc='federated distillation: per-class mean logits through the relay')
+                  doc='federated distillation: per-class mean logits through the relay',
+                  global_model=False)

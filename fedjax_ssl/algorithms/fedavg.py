@@ -19,10 +19,15 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, Stateless, keep_trained, replicate, weighted_mean
+from fedjax_ssl.core.algorithm import (Algorithm, GlobalModel, Stateless, keep_trained, replicate,
+                                        weighted_mean)
 from fedjax_ssl.data.types import DataInfo
 
 BYOL_TARGET_SYNC = ('keep', 'reset')
+# The global model of a server that is the online network {'params', 'batch_stats'}: a server
+# optimizer steps its parameters; the BatchNorm statistics stay the average.
+ONLINE_PARAMS = GlobalModel(get=lambda server: server['params'],
+                            set=lambda server, params: dict(server, params=params))
 
 
 def select_tree(flag, a, b):
@@ -86,6 +91,7 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
                                                           train=False),
       classifier_apply=classifier_apply(spec),
       ragged_batches=spec.method == 'sc',
+      global_model=ONLINE_PARAMS,
   )
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, Prepare, replicate, weighted_mean
+from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, Prepare, replicate, weighted_mean
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
@@ -227,7 +227,10 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes) if share else None,
       personalize=personalize if share else None,
       host_metrics=host_metrics if (share and ledger is not None) else None,
-      ragged_batches=True)
+      ragged_batches=True,
+      global_model=GlobalModel(
+          get=lambda server: server['model']['params'],
+          set=lambda server, params: dict(server, model=dict(server['model'], params=params))))
 
 
 def config_block() -> ml_collections.ConfigDict:

@@ -33,7 +33,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, weighted_mean
+from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, weighted_mean
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import min_norm, uot
 
@@ -111,6 +111,14 @@ def _stats(model: Dict[str, Any]) -> Dict[str, Any]:
   out = {'batch_stats': model['batch_stats']}
   if 'target' in model:
     out['target'] = model['target']['batch_stats']
+  return out
+
+
+def _set_eua_params(server: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
+  """`server` with the tensors EUA moves replaced by `params` (the inverse of `_eua_params`)."""
+  out = dict(server, params=params['params'])
+  if 'target' in params:
+    out['target'] = dict(server['target'], params=params['target'])
   return out
 
 
@@ -192,6 +200,9 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
       eval_variables=lambda state: (state.server, False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
+      # A server optimizer steps what EUA moves (the BYOL target's parameters too, under
+      # 'whole_model'), from EUA's result as the proposal.
+      global_model=GlobalModel(get=_eua_params, set=_set_eua_params),
   )
 
 

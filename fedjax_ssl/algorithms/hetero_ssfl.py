@@ -381,4 +381,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 registry.register('hetero_ssfl', build, defaults=config_block, validate=validate, methods=METHODS,
                   methods_note='the aligned representation is the predictor output',
                   exclusive=('mix',), encoders=encoders,
-                  doc='several architectures in one federation, aligned by CKA on a public set')
+                  doc='several architectures in one federation, aligned by CKA on a public set',
+                  global_model=False)

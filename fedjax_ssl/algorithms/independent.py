@@ -56,4 +56,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 
 registry.register('independent', build, defaults=config_block,
-                  doc='each client trains alone (IL / local SSL), evaluated client by client')
+                  doc='each client trains alone (IL / local SSL), evaluated client by client',
+                  global_model=False)

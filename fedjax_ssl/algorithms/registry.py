@@ -12,6 +12,10 @@ keys listed. `validate(config, dataset_info)` raises `ConfigError` for bad value
 for cross-key rules of the algorithm; `dataset_info` is the `data.info.DatasetInfo` known before
 loading, or None. The runner knows algorithms only through this registry: it never compares
 `config.algorithm` with a name.
+
+`build` also puts the configured server optimizer (`config.server_optimizer`, core/server_opt.py) on
+the algorithm's global model; an entry registered with `global_model=False` (personalised methods)
+refuses any other than plain aggregation.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms.ssl_client import SSL_METHODS
+from fedjax_ssl.core import server_opt
 
 
 class Plan(NamedTuple):
@@ -57,6 +62,8 @@ class Entry:
     doc: one line for listings and errors.
     methods_note: why `methods` is what it is, appended to the error for another ssl_method.
     plan: (config, DataInfo) -> Plan | None, what the run will spend (None: nothing to plan).
+    global_model: the server keeps a global model (the built Algorithm declares `global_model`),
+      so `config.server_optimizer` applies; False refuses a server optimizer.
   """
   name: str
   build: Callable[[ml_collections.ConfigDict, Any], Any]
@@ -68,6 +75,7 @@ class Entry:
   doc: str = ''
   methods_note: str = ''
   plan: Optional[Callable[[ml_collections.ConfigDict, Any], Optional[Plan]]] = None
+  global_model: bool = True
 
 
 _REGISTRY: Dict[str, Entry] = {}
@@ -85,7 +93,8 @@ def _origin(fn: Callable) -> Tuple[str, str]:
 def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
              validate: Optional[Callable] = None, methods: Sequence[str] = SSL_METHODS,
              exclusive: Sequence[str] = (), encoders: Optional[Callable] = None,
-             doc: str = '', methods_note: str = '', plan: Optional[Callable] = None) -> Entry:
+             doc: str = '', methods_note: str = '', plan: Optional[Callable] = None,
+             global_model: bool = True) -> Entry:
   """Adds algorithm `name` (see `Entry` for the arguments) and returns its entry.
 
   Registering a name again is allowed only from the same `build` function (a config file that is
@@ -105,7 +114,7 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
                      f'{_origin(old.build)[1]}); choose another name')
   entry = Entry(name=name, build=build, defaults=defaults or _empty_block, validate=validate,
                 methods=tuple(methods), exclusive=tuple(exclusive), encoders=encoders, doc=doc,
-                methods_note=methods_note, plan=plan)
+                methods_note=methods_note, plan=plan, global_model=global_model)
   _REGISTRY[name] = entry
   return entry
 
@@ -140,6 +149,10 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
         raise cv.ConfigError(f'config.{other.name}.{key} = {config[other.name][key]!r} is invalid '
                              f'with algorithm {entry.name!r}: only algorithm {other.name!r} reads '
                              'it' + (f' ({other.doc})' if other.doc else ''))
+  if not entry.global_model and server_optimizer(config) is not None:
+    raise cv.ConfigError(f'config.server_optimizer = {config.server_optimizer!r} (server_lr = '
+                         f'{config.server_lr}) is invalid for algorithm {entry.name!r}: it keeps '
+                         "no global model to step; use 'sgd' with server_lr = 1.0")
   if entry.validate is not None:
     entry.validate(config, dataset_info)
 
@@ -152,9 +165,24 @@ def encoders(config: ml_collections.ConfigDict) -> Sequence[Tuple[str, str]]:
   return entry.encoders(config)
 
 
+def server_optimizer(config: ml_collections.ConfigDict):
+  """The configured server optimizer (optax), or None for plain aggregation."""
+  return server_opt.make(config.server_optimizer, config.server_lr,
+                         momentum=config.server_momentum, b1=config.server_b1,
+                         b2=config.server_b2, eps=config.server_eps)
+
+
 def build(config: ml_collections.ConfigDict, info: Any) -> Any:
-  """The configured Algorithm (`config` already validated)."""
-  return get(config.algorithm).build(config, info)
+  """The configured Algorithm (`config` already validated), with its server optimizer."""
+  algo = get(config.algorithm).build(config, info)
+  tx = server_optimizer(config)
+  if tx is None:
+    return algo
+  if algo.global_model is None:
+    raise cv.ConfigError(f'config.server_optimizer = {config.server_optimizer!r} is invalid for '
+                         f'algorithm {config.algorithm!r}: its Algorithm declares no global_model '
+                         "to step; declare one or use 'sgd' with server_lr = 1.0")
+  return server_opt.wrap(algo, tx)
 
 
 def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:

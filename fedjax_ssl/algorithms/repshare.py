@@ -312,4 +312,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 registry.register('repshare', build, defaults=config_block, validate=validate,
                   methods=('supervised',), methods_note='it trains classifiers',
-                  doc='contrastive distillation through per-class prototypes, relay server')
+                  doc='contrastive distillation through per-class prototypes, relay server',
+                  global_model=False)

@@ -54,9 +54,11 @@ class ClientSpec:
     ema_tau: BYOL target EMA rate, target <- tau * target + (1 - tau) * online after every step.
     reset_optimizer: re-create the optimiser state at the start of every round (EasyFL, FedSC).
     feature_regularizer: optional (z [B, dz], key) -> scalar, already weighted, added to an SSL
-      loss once per view on the online projector output z (FedU2's lambda_u * FUR). Its keys come
-      from a stream of the step key that the views do not use, so a spec without one computes
-      exactly what it did before.
+      loss once per view on the online representation `regularized` (FedU2's lambda_u * FUR,
+      FedDecorr's beta * decorrelation). Its keys come from a stream of the step key that the views
+      do not use, so a spec without one computes exactly what it did before.
+    regularized: which online output feature_regularizer sees: 'z' the projector output (FUR) or
+      'h' the backbone features (FedDecorr).
     sc_mu: NormClip level mu of the spectral contrastive loss ('sc'; the FedSC code clips inside
       the training loss, A4), or None for no clip.
     sc_scale: factor on the SC loss: 1 = the FedSC code's scale (2 x the paper's batch loss), 0.5 =
@@ -74,6 +76,7 @@ class ClientSpec:
   ema_tau: float = 0.99
   reset_optimizer: bool = True
   feature_regularizer: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
+  regularized: str = 'z'
   sc_mu: Optional[float] = None
   sc_scale: float = 1.0
 
@@ -131,7 +134,7 @@ def loss_fn(spec: ClientSpec, params, client, batch, key, sc_shared=None
   with_pred = spec.method in ('byol', 'simsiam')
   o1, bs = apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
   o2, bs = apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
-  reg = _view_regularizer(spec, (o1['z'], o2['z']), key)
+  reg = _view_regularizer(spec, (o1[spec.regularized], o2[spec.regularized]), key)
   if spec.method == 'sc':
     alpha, r_other = sc_shared if sc_shared is not None else (1.0, None)
     sc = losses.spectral_contrastive_loss(o1['z'], o2['z'], alpha=alpha, r_global=r_other,

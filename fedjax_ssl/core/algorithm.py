@@ -37,6 +37,12 @@ serve; an algorithm without them computes exactly what it did before they existe
   algorithm produces, so a stateless algorithm computes what its stateful twin does while memory
   holds the server and the round's m participants only.
 * `cohorts`: several architectures in one federation (Hetero-SSFL), below.
+* `GlobalModel` (`global_model=`): where the server keeps the global trainable parameters, for a
+  server optimizer (core/server_opt.py) that steps them along the pseudo-gradient
+  `get(server before aggregate) - get(server after aggregate)`:
+    get(server)                           -> params  (a pytree of float arrays)
+    set(server, params)                   -> server
+  None for algorithms without a global model (personalised ones).
 * Per-participant and evaluation extras: `personalize(msg, client_id) -> msg` (a participant's own
   view of the broadcast, e.g. the aggregate without its own matrix), `host_metrics(state) -> dict`
   (host-side scalars logged after every round, e.g. the privacy ledger's epsilon),
@@ -92,6 +98,13 @@ class Stateless:
 
 
 @dataclasses.dataclass(frozen=True)
+class GlobalModel:
+  """Where an algorithm's server keeps its global trainable parameters (module docstring)."""
+  get: Callable[[Any], Any]
+  set: Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Algorithm:
   """A federated method as pure functions (module docstring); `name` labels logs and errors."""
   name: str
@@ -108,6 +121,7 @@ class Algorithm:
   prepare: Optional[Prepare] = None
   stateless: Optional[Stateless] = None
   cohorts: Tuple['Cohort', ...] = ()
+  global_model: Optional[GlobalModel] = None
   personalize: Optional[Callable[..., Any]] = None
   host_metrics: Optional[Callable[..., Dict[str, float]]] = None
   classifier_apply: Optional[Callable[..., Any]] = None

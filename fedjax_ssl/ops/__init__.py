@@ -17,5 +17,8 @@
   numerics.py  helpers the ops and the SSL losses share: `as_float` (at least float32),
                `check_positive` (a concrete number must be > 0)
 
+  decorr.py    FedDecorr's decorrelation loss of a batch (`feddecorr_loss`)
+  ldawa.py     L-DAWA's layer-wise cosine-scaled aggregation (`aggregate`, `layer_scales`)
+
 Prototypes (representation sharing) arrive with their method.
 """

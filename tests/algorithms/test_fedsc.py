@@ -195,7 +195,7 @@ def test_train_logs_epsilon_every_round_and_reports_it(tmp_path):
   config.update(dict(algorithm='fedsc', ssl_method='sc', heads='custom', proj_hidden=16,
                      proj_out=8, head_bn=False, dataset='fashion_mnist_subset', train_size=120,
                      num_clients=2, clients_per_round=2, partition='iid', batch_size=32,
-                     drop_last=False, local_epochs=1, rounds=3, probe_epochs=1, knn_k=5,
+                     drop_last=False, local_epochs=1, rounds=3, probe='adam', probe_epochs=1, knn_k=5,
                      checkpoint_every=3, grad_clip_norm=3.0))
   config.fedsc.update(dp=True, target_epsilon=8.0, calr_views=1, share_start=1)
   results = train.train_and_evaluate(config, str(tmp_path / 'w'), verbose=False)

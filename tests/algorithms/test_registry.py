@@ -47,7 +47,7 @@ def _small_config(name: str, **overrides):
   c.update(dict(algorithm=name, ssl_method=entry.methods[0], dataset='synthetic', train_size=288,
                 partition='iid', num_clients=4, clients_per_round=2, local_epochs=1,
                 batch_size=32, encoder='mlp', heads='custom', proj_hidden=16, proj_out=8,
-                pred_hidden=16, pred_out=8, augmentation='flip', knn_k=10, probe_epochs=1,
+                pred_hidden=16, pred_out=8, augmentation='flip', knn_k=10, probe='adam', probe_epochs=1,
                 strategy='map', rounds=2))
   for key, value in {**NEEDS.get(name, {}), **overrides}.items():
     node = c
@@ -72,17 +72,18 @@ def _one_round(config):
 
 def test_registry_lists_the_built_in_algorithms():
   assert {'fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare',
-          'fd', 'independent'} <= set(algorithms.names())
+          'fd', 'independent', 'feddecorr', 'ldawa', 'fedx'} <= set(algorithms.names())
   for name in algorithms.names():
     assert name in experiment.default_config(), name  # every algorithm has its config block
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name', ['fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc',
-                                  'hetero_ssfl', 'repshare', 'fd', 'independent'])
+                                  'hetero_ssfl', 'repshare', 'fd', 'independent', 'feddecorr',
+                                  'ldawa', 'fedx'])
 def test_every_registered_algorithm_builds_validates_and_runs_a_round(name):
   assert set(algorithms.names()) - {'fedprox_simclr'} == set(NEEDS) | {
-      'fedavg', 'fedu2', 'fedsc', 'independent'}, (
+      'fedavg', 'fedu2', 'fedsc', 'independent', 'feddecorr', 'ldawa', 'fedx'}, (
           'a new registered algorithm: add it to this sweep (and to NEEDS if it needs keys)')
   config = _small_config(name)
   algorithms.registry.validate(config)  # its block's defaults pass its own checks
@@ -95,7 +96,8 @@ def test_every_registered_algorithm_builds_validates_and_runs_a_round(name):
 
 
 @pytest.mark.parametrize('name', ['fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc',
-                                  'hetero_ssfl', 'repshare', 'fd', 'independent'])
+                                  'hetero_ssfl', 'repshare', 'fd', 'independent', 'feddecorr',
+                                  'ldawa', 'fedx'])
 def test_unknown_key_in_an_algorithm_block_is_refused_with_the_valid_keys(name):
   config = _small_config(name)
   config[name].not_a_key = 1

@@ -366,7 +366,7 @@ def test_valid_config_builds():
 def test_evaluate_reports_each_clients_test_accuracy():
   """`test_acc` is each personal classifier's accuracy on the whole test split (numpy argmax of
   the model's logits), with the client mean, list and std."""
-  config = _config(knn_k=0, probe_epochs=0)
+  config = _config(knn_k=0, probe='adam', probe_epochs=0)
   dataset = experiment.load_data(config)
   algo = experiment.build_algorithm(config, dataset)
   state = rd.init_state(algo, jax.random.PRNGKey(0), 3)

@@ -95,7 +95,7 @@ TRAIN_FLAGS = [
     '--config.train_size=160', '--config.num_clients=4', '--config.clients_per_round=4',
     '--config.partition=dirichlet', '--config.alpha=0.5', '--config.batch_size=16',
     '--config.local_epochs=1', '--config.rounds=2', '--config.checkpoint_every=1',
-    '--config.probe_epochs=1', '--config.probe_std_epochs=0', '--config.eval_every=0',
+    '--config.probe=adam', '--config.probe_epochs=1', '--config.probe_std_epochs=0', '--config.eval_every=0',
     '--config.knn_k=10', '--config.strategy=shard', '--config.encoder=mlp',
     '--config.augmentation=flip', '--config.client_state=host', '--config.reset_optimizer=False',
 ]

@@ -293,11 +293,13 @@ def test_semi_supervised_finetune_without_batch_stats():
   assert res['test_acc'] >= 0.9
 
 
-def np_finetune_no_bn(variables, x_uint8, y, num_classes, epochs, batch_size, lr, momentum, seed):
+def np_finetune_no_bn(variables, x_uint8, y, num_classes, epochs, batch_size, lr, momentum, seed, head_lr=None,
+                      nesterov=True):
   """float64 numpy reference of the fine-tuning run for TinyEncoder(use_bn=False): manual backprop, SGD with
-  Nesterov momentum (PyTorch form), following the documented protocol: rng = default_rng(seed) draws the head
-  (PyTorch nn.Linear init: kernel then bias), then one permutation per epoch; the last batch is filled by
-  wrapping around the permutation and the wrapped duplicates carry zero loss weight."""
+  (Nesterov) momentum (PyTorch form), the head at head_lr (default lr), following the documented protocol:
+  rng = default_rng(seed) draws the head (PyTorch nn.Linear init: kernel then bias), then one permutation per
+  epoch; the last batch is filled by wrapping around the permutation and the wrapped duplicates carry zero loss
+  weight."""
   p = {k: np.asarray(v, np.float64) for k, v in (
       ('w0', variables['params']['Dense_0']['kernel']), ('b0', variables['params']['Dense_0']['bias']),
       ('w1', variables['params']['Dense_1']['kernel']), ('b1', variables['params']['Dense_1']['bias']))}
@@ -331,7 +333,8 @@ def np_finetune_no_bn(variables, x_uint8, y, num_classes, epochs, batch_size, lr
                'w0': xb.T @ dh, 'b0': dh.sum(0)}
       for k in p:
         buf[k] = momentum * buf[k] + grads[k]
-        p[k] = p[k] - lr * (grads[k] + momentum * buf[k])
+        rate = head_lr if head_lr is not None and k in ('wh', 'bh') else lr
+        p[k] = p[k] - rate * (grads[k] + momentum * buf[k] if nesterov else buf[k])
   return p, epoch_loss / n
 
 
@@ -351,3 +354,72 @@ def test_semi_supervised_finetune_matches_numpy_reference():
                       ('wh', res['head']['kernel']), ('bh', res['head']['bias'])):
     np.testing.assert_allclose(value, ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
   assert res['final_train_loss'] == pytest.approx(ref_loss, rel=1e-4)
+
+
+def test_fedu2_preset_moves_the_head_at_0p3_and_the_encoder_at_1e_3():
+  settings = ev.finetune.protocol_settings('fedu2', 0.01, epochs=1)
+  assert settings == dict(epochs=1, eval_epochs=(1,), batch_size=128, lr=1e-3, head_lr=0.3, momentum=0.9,
+                          nesterov=False, augmentation='fedu2_finetune')
+  del settings['augmentation']   # the pipeline is tested in tests/data/test_augment.py
+  rng = np.random.default_rng(9)
+  train_x, train_y = stripe_images(rng, 10)    # 10 images < batch 128: one step on one full batch
+  test_x, test_y = stripe_images(rng, 20)
+  encoder = TinyEncoder(features=3, use_bn=False)
+  variables = init_encoder(encoder, 3)
+  res = ev.semi_supervised_finetune(encoder, variables, train_x, train_y, test_x, test_y, 4, mean=MEAN, std=STD,
+                                    seed=4, **settings)
+  # One SGD step from a zero momentum buffer is p - rate * grad: the reference's gradients, each part at its
+  # own rate (0.3 would move the encoder 300 times further, 1e-3 the head 300 times less).
+  ref, _ = np_finetune_no_bn(variables, train_x, train_y, 4, epochs=1, batch_size=10, lr=1e-3, momentum=0.9,
+                             seed=4, head_lr=0.3, nesterov=False)
+  got = res['encoder_variables']['params']
+  for name, value in (('w0', got['Dense_0']['kernel']), ('b0', got['Dense_0']['bias']),
+                      ('w1', got['Dense_1']['kernel']), ('b1', got['Dense_1']['bias']),
+                      ('wh', res['head']['kernel']), ('bh', res['head']['bias'])):
+    np.testing.assert_allclose(value, ref[name], rtol=1e-5, atol=1e-7, err_msg=name)
+  same_rate, _ = np_finetune_no_bn(variables, train_x, train_y, 4, epochs=1, batch_size=10, lr=1e-3,
+                                   momentum=0.9, seed=4, nesterov=False)
+  init_head = ev.finetune.torch_linear_init(np.random.default_rng(4), 3, 4)['kernel']
+  np.testing.assert_allclose(res['head']['kernel'] - init_head, 300 * (same_rate['wh'] - init_head), rtol=1e-3,
+                             atol=1e-6)
+
+
+def test_test_accuracy_at_eval_epochs_and_the_best_reported():
+  rng = np.random.default_rng(10)
+  train_x, train_y = stripe_images(rng, 24)
+  test_x, test_y = stripe_images(rng, 60)
+  encoder = TinyEncoder(features=3)
+  kw = dict(mean=MEAN, std=STD, epochs=6, batch_size=8, lr=0.02, head_lr=0.1, seed=1, augment_fn=random_hflip)
+  run = lambda **extra: ev.semi_supervised_finetune(encoder, init_encoder(encoder, 4), train_x, train_y, test_x,
+                                                    test_y, 4, **kw, **extra)
+  once, split = run(), run(eval_epochs=(2, 4, 6))
+  assert once['test_accs'].shape == (1,) and split['test_accs'].shape == (3,)
+  assert split['test_acc'] == max(split['test_accs'])
+  # Testing in between does not change training: the same final model, loss and last accuracy.
+  assert split['test_accs'][-1] == pytest.approx(once['test_acc'])
+  assert split['final_train_loss'] == pytest.approx(once['final_train_loss'], rel=1e-5)
+  jax.tree_util.tree_map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6),
+                         (split['encoder_variables'], split['head']), (once['encoder_variables'], once['head']))
+  for bad in ((3,), (4, 2, 6), (0, 6), ()):
+    with pytest.raises(ValueError, match=r'eval_epochs = .* is invalid: must be increasing epochs in \[1, 6\]'):
+      run(eval_epochs=bad)
+  stack = ev.semi_supervised_finetune_stack(
+      encoder, jax.tree_util.tree_map(lambda *a: np.stack(a), init_encoder(encoder, 4), init_encoder(encoder, 5)),
+      train_x, train_y, test_x, test_y, 4, eval_epochs=(2, 4, 6), **kw)
+  assert stack['test_accs'].shape == (2, 3)
+  np.testing.assert_allclose(stack['test_accs'][0], split['test_accs'])
+  np.testing.assert_array_equal(stack['test_acc'], stack['test_accs'].max(axis=1))
+
+
+def test_protocol_settings():
+  fedu2, hetero = (functools.partial(ev.finetune.protocol_settings, name) for name in ('fedu2', 'hetero_ssfl'))
+  assert fedu2(0.1) == dict(ev.finetune.PROTOCOLS['fedu2'])   # its own epochs, one batch size
+  assert fedu2(0.1, 20)['epochs'] == 20 and fedu2(0.1, 20)['eval_epochs'] == (10, 20)
+  assert fedu2(0.1, 15)['eval_epochs'] == (8, 15)
+  # Hetero-SSFL: 256 at 1%, 512 at 10%; between them the smaller, from 10% up the larger.
+  assert [hetero(f)['batch_size'] for f in (0.005, 0.01, 0.05, 0.1, 0.5)] == [256, 256, 256, 512, 512]
+  assert hetero(0.1) == dict(epochs=100, eval_epochs=(100,), batch_size=512, lr=0.05, head_lr=0.05,
+                             momentum=0.9, nesterov=True, augmentation='none')
+  assert hetero(0.1, 7)['eval_epochs'] == (7,)
+  with pytest.raises(ValueError, match="fine-tuning protocol 'byol' is unknown"):
+    ev.finetune.protocol_settings('byol', 0.1)

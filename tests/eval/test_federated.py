@@ -1,13 +1,15 @@
 """Evaluation of a federated state under config.probe = 'logistic' (the field's protocol): the metrics
 are those of `protocol.evaluate_features` on the encoder's features, the raw-pixel reference row is
-the same protocol on the normalised pixels, and bad label fractions are refused before compute."""
+the same protocol on the normalised pixels, and bad label fractions are refused before compute. With
+config.finetune, every evaluated encoder is fine-tuned on the same stratified labelled subsets."""
+import jax
 import numpy as np
 import pytest
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.eval import federated, features
+from fedjax_ssl.eval import federated, features, finetune, protocol
 
 
 def _config(**overrides):
@@ -44,12 +46,17 @@ def test_logistic_probe_passes_the_encoder_features_and_the_settings_to_the_prot
   np.testing.assert_array_equal(test_y, dataset.test_y)
   assert k == 10 and kw == dict(fractions=(1.0, 0.1), draws=2, seed=0, knn_k=(50, 5),
                                 knn_temperature=0.1)
-  # The raw-pixel reference: the same protocol on the normalised pixels, [N, 28 * 28].
+  # The raw-pixel reference: the same protocol on the pixels, [N, 28 * 28], each standardised with
+  # the training split's mean and std (float64 reference; float32 rounding of x - mean and * 1/std).
   experiment.raw_pixel_metrics(config, dataset)
-  pixels = lambda x: np.asarray(features.normalize_images(
-      x, np.asarray(dataset.mean, np.float32), np.asarray(dataset.std, np.float32))).reshape(len(x), -1)
-  np.testing.assert_array_equal(calls[1][0], pixels(dataset.train_x))
-  np.testing.assert_array_equal(calls[1][2], pixels(dataset.test_x))
+  flat = lambda x: np.asarray(x, np.float64).reshape(len(x), -1)
+  mean, std = flat(dataset.train_x).mean(0), flat(dataset.train_x).std(0)
+  std = np.where(std > 0, std, 1.0)
+  for got, x in ((calls[1][0], dataset.train_x), (calls[1][2], dataset.test_x)):
+    want = (flat(x) - mean) / std
+    np.testing.assert_allclose(got, want, rtol=0, atol=4 * np.finfo(np.float32).eps * (
+        1 + np.abs(want).max()))
+  np.testing.assert_allclose(calls[1][0].mean(0), 0, atol=1e-5)
   assert calls[1][5] == kw
 
 
@@ -73,7 +80,83 @@ def test_logistic_probe_reports_the_protocol_metrics():
                                     r'the 10 classes'),
     (dict(label_draws=0), r'config.label_draws = 0 is invalid'),
     (dict(probe='sgd'), r"config.probe = 'sgd' is invalid: must be one of"),
+    (dict(finetune='fedu3'), r"config.finetune = 'fedu3' is invalid: must be one of"),
+    (dict(finetune='fedu2', finetune_fractions=(0.0, 0.1)),
+     r'config.finetune_fractions = \(0.0, 0.1\) is invalid: must be distinct numbers in \(0, 1\]'),
+    (dict(finetune_fractions=(0.1, 0.1)), r'config.finetune_fractions = \(0.1, 0.1\) is invalid'),
+    (dict(finetune='hetero_ssfl', finetune_fractions=(0.01, 0.1)),
+     r'config.finetune_fractions = \(0.01, 0.1\) is invalid: 0.01 of the 600 training examples .* '
+     r'is 6 labelled images, fewer than the 10 classes'),
+    (dict(finetune_epochs=-1), r'config.finetune_epochs = -1 is invalid: must be an integer'),
 ])
 def test_bad_evaluation_settings_are_refused_before_compute(overrides, message):
   with pytest.raises(cv.ConfigError, match=message):
     experiment.validate_config(_config(**overrides))
+
+
+def test_finetune_fractions_are_only_checked_against_the_data_when_fine_tuning():
+  experiment.validate_config(_config(finetune='none', finetune_fractions=(0.01,)))
+
+
+def _finetune_config(**overrides):
+  """A tiny synthetic run (1,000 images, 10 classes: 1% = one image per class) with FedU2's
+  fine-tune cut to 2 epochs (tested after epochs 1 and 2) and a one-epoch Adam probe."""
+  c = experiment.default_config()
+  c.update(dict(dataset='synthetic', train_size=1000, partition='iid', num_clients=2,
+                clients_per_round=2, encoder='mlp', heads='custom', proj_hidden=16, proj_out=8,
+                pred_hidden=16, pred_out=8, augmentation='flip', knn_k=10, probe='adam',
+                probe_epochs=1, rounds=1, finetune='fedu2', finetune_epochs=2))
+  c.update(overrides)
+  experiment.validate_config(c)
+  return c
+
+
+def _recorded_finetunes(monkeypatch):
+  """Records (train_x, train_y, kwargs) of every semi_supervised_finetune call, then runs it."""
+  calls, real = [], finetune.semi_supervised_finetune
+
+  def recorder(encoder, variables, train_x, train_y, *args, **kw):
+    calls.append((np.asarray(train_x), np.asarray(train_y), kw))
+    return real(encoder, variables, train_x, train_y, *args, **kw)
+
+  monkeypatch.setattr(finetune, 'semi_supervised_finetune', recorder)
+  return calls
+
+
+def test_evaluate_fine_tunes_every_encoder_on_the_same_stratified_subsets(monkeypatch):
+  config = _finetune_config()
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  calls = _recorded_finetunes(monkeypatch)
+  states = [rd.init_state(algo, key, config.num_clients)   # two encoders of one run
+            for key in jax.random.split(experiment.run_keys(config)[0])]
+  results = [experiment.evaluate(config, algo, s, dataset) for s in states]
+  for got in results:
+    assert {'ft_acc_1pct', 'ft_acc_10pct', 'probe_acc', 'knn_acc'} <= set(got)
+    assert all(0.0 <= got[k] <= 1.0 for k in ('ft_acc_1pct', 'ft_acc_10pct'))
+  assert len(calls) == 4   # (1%, 10%) per encoder
+  for fraction, (x, y, kw) in zip((0.01, 0.1, 0.01, 0.1), calls):
+    idx = federated.finetune_subset(config, dataset, fraction)
+    np.testing.assert_array_equal(x, dataset.train_x[idx])
+    counts = np.bincount(y, minlength=10)   # stratified: every class, in proportion
+    np.testing.assert_array_equal(counts, protocol.subset_counts(dataset.train_y, 10, fraction))
+    assert counts.min() >= 1 and counts.sum() == round(1000 * fraction)
+    assert kw['augment_fn'] is federated.finetune_augment_fn('fedu2_finetune', dataset)
+    assert {k: kw[k] for k in ('epochs', 'eval_epochs', 'batch_size', 'lr', 'head_lr', 'momentum',
+                               'nesterov', 'seed')} == dict(
+        epochs=2, eval_epochs=(1, 2), batch_size=128, lr=1e-3, head_lr=0.3, momentum=0.9,
+        nesterov=False, seed=0)
+  # The round's kNN monitor (probe=False) does not fine-tune.
+  assert 'ft_acc_1pct' not in experiment.evaluate(config, algo, states[0], dataset, probe=False)
+  assert len(calls) == 4
+
+
+def test_evaluate_fine_tunes_each_personal_model():
+  config = _finetune_config(algorithm='independent', finetune='hetero_ssfl', finetune_epochs=1,
+                            finetune_fractions=(0.1,))
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  state = rd.init_state(algo, experiment.run_keys(config)[0], config.num_clients)
+  got = experiment.evaluate(config, algo, state, dataset)
+  assert len(got['ft_acc_10pct_clients']) == 2 and 'ft_acc_1pct' not in got
+  assert got['ft_acc_10pct'] == pytest.approx(np.mean(got['ft_acc_10pct_clients']))

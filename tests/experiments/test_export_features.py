@@ -21,7 +21,7 @@ def _tiny_config(**overrides):
   config = quickstart.get_config()
   config.update(dict(dataset='synthetic', train_size=200, num_clients=2, clients_per_round=2,
                      partition='iid', batch_size=20, local_epochs=1, rounds=2, checkpoint_every=1,
-                     probe_epochs=1, probe_std_epochs=0, eval_every=0, knn_k=10, encoder='mlp',
+                     probe='adam', probe_epochs=1, probe_std_epochs=0, eval_every=0, knn_k=10, encoder='mlp',
                      augmentation='flip'))
   config.update(overrides)
   return config

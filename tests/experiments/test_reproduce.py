@@ -27,6 +27,7 @@ TABLE = textwrap.dedent('''
       c.batch_size = 25
       c.local_epochs = 1
       c.rounds = 1
+      c.probe = 'adam'        # the tiny data has too few images for 1% labels
       c.probe_epochs = 2
       c.knn_k = 10
       c.checkpoint_every = 1
@@ -196,3 +197,54 @@ def test_command_line_overrides_apply_to_every_cell_and_are_recorded(tmp_path):
       reproduce.markdown(table, [], [0]))
   with pytest.raises(cv.ConfigError, match=r"override \(every cell\): config key 'nope' does not"):
     reproduce.cell_config(reproduce.with_overrides(table, {'nope': 1}), 'FedSimCLR', 'IID', 0)
+
+
+def test_verdict_needs_an_effect_above_twice_the_seed_std():
+  v = reproduce.verdict([80.0, 81.0, 82.0], [75.0, 75.5, 76.0])     # effect 5.5, spread 1.0
+  assert v['verdict'] == 'confirmed' and v['n'] == 3
+  np.testing.assert_allclose([v['effect'], v['spread']], [5.5, 1.0], rtol=1e-12)
+  assert reproduce.verdict([80.0, 81.0, 82.0], [79.0, 79.5, 80.0])['verdict'] == 'not confirmed'
+  assert reproduce.verdict([70.0, 71.0, 72.0], [79.0, 79.5, 80.0])['verdict'] == 'reversed'
+  assert reproduce.verdict([80.0], [70.0])['verdict'] == 'too few seeds'
+  # Exactly 2 x spread is not enough.
+  assert reproduce.verdict([1.0, 3.0], [0.0, 0.0])['verdict'] == 'not confirmed'
+
+
+def test_claims_are_checked_and_end_table_md_with_a_verdict(tmp_path):
+  rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')}
+  claim = reproduce.Claim('A beats B', 'A', 'B', 'probe_acc')
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')},
+                 claims=(claim, reproduce.Claim('A learns', 'A', reproduce.RANDOM_INIT, 'probe_acc')))
+  with pytest.raises(cv.ConfigError, match="compares 'A' with 'C'"):
+    reproduce.check_table(_table(rows=rows, claims=(reproduce.Claim('x', 'A', 'C', 'probe_acc'),)))
+  with pytest.raises(cv.ConfigError, match="metric 'knn_acc'"):
+    reproduce.check_table(_table(rows=rows, metrics=('probe_acc',),
+                                 claims=(reproduce.Claim('x', 'A', 'B', 'knn_acc'),)))
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  value = {('A', 0): 0.80, ('A', 1): 0.81, ('A', 2): 0.82, ('B', 0): 0.70, ('B', 1): 0.72,
+           ('B', 2): 0.74}
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': value[(run.cells[0][0], run.seed)]},
+         'random_init': {'probe_acc': 0.795 + 0.01 * run.seed}}))
+  summary = reproduce.summarize(table, runs, tmp_path)
+  found = {v['worse']: v for v in reproduce.verdicts(table, summary)}
+  np.testing.assert_allclose(found['B']['effect'], 9.0, rtol=1e-9)     # 81 - 72
+  np.testing.assert_allclose(found['B']['spread'], 2.0, rtol=1e-9)     # B's std
+  assert found['B']['verdict'] == 'confirmed'
+  # Against the run's own random-init encoder: 81 - 80.5 with spread 1.0.
+  assert found[reproduce.RANDOM_INIT]['verdict'] == 'not confirmed'
+  md = reproduce.markdown(table, summary, [0, 1, 2])
+  assert '## Verdict' in md and '| A beats B | IID | linear probe (%) | +9.00 | 2.00 | 3 | **confirmed** |' in md
+
+
+def test_a_table_refuses_a_scale_it_does_not_define(tmp_path):
+  path = tmp_path / 'two_scales.py'
+  path.write_text(TABLE)
+  with pytest.raises(cv.ConfigError, match="--scale = 'evidence' is not defined by .*: it defines "
+                     r"\('quick', 'paper'\)"):
+    reproduce.load_table(str(path), 'evidence')
+  path.write_text("SCALES = ('quick', 'evidence')\n" + TABLE)
+  assert reproduce.load_table(str(path), 'evidence').scale == 'evidence'

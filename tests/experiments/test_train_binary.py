@@ -1,5 +1,6 @@
-"""The training binary end to end on the shipped Fashion-MNIST subset: a run killed with SIGKILL
-and resumed from its workdir ends in exactly the state (and log) of an uninterrupted run, and
+"""The training binary end to end on the shipped Fashion-MNIST subset: a run killed with SIGKILL,
+or stopped with SIGTERM (exit 143 after saving the round it was in), and resumed from its workdir
+ends in exactly the state (and log) of an uninterrupted run, and
 experiments.reprobe reproduces its probe accuracies; the console shows only the lines meant for a
 person (library logs go to WORKDIR/train.log); config errors are one `error: ...` line, exit status
 1, before any data is loaded."""
@@ -28,7 +29,7 @@ OVERRIDES = [
     '--config.dataset=fashion_mnist_subset', '--config.train_size=400', '--config.num_clients=4',
     '--config.clients_per_round=3', '--config.partition=iid', '--config.batch_size=20',
     '--config.local_epochs=1', f'--config.rounds={ROUNDS}', '--config.checkpoint_every=2',
-    '--config.probe_epochs=2', '--config.probe_std_epochs=0', '--config.eval_every=0',
+    '--config.probe=adam', '--config.probe_epochs=2', '--config.probe_std_epochs=0', '--config.eval_every=0',
     '--config.knn_k=20',
     # The MLP encoder and flip-only views: what these tests check (resume, logs, console) does not
     # depend on the model, and LeNet-5 with the crop augmentation doubled their compile time.
@@ -105,6 +106,37 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
   np.testing.assert_allclose(again['random_init_probe_acc'], res['random_init']['probe_acc'],
                              atol=1e-6)
 
+  # SIGTERM (a preemption notice) once round 2 is saved: the run finishes the round it is in, saves
+  # that round although it is no multiple of checkpoint_every, prints how to resume and exits 143;
+  # the same command then ends in the uninterrupted state.
+  stopped = tmp_path / 'stopped'
+  proc = subprocess.Popen(_cmd(stopped), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 600
+  while not (stopped / 'checkpoints' / '2').exists():
+    assert proc.poll() is None, 'run ended before it could be stopped'
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  err = proc.communicate(timeout=600)[1]
+  assert proc.returncode == 143, err[-3000:]
+  assert 'Traceback' not in err
+  line = re.search(rf'^stopped by SIGTERM after round (\d)/{ROUNDS}; checkpoint '
+                   rf'{re.escape(str(stopped))}/checkpoints/\1 saved; resume with the same command: '
+                   r'(.*)$', err, re.M)
+  assert line, err[-3000:]
+  k = int(line.group(1))
+  assert line.group(2).endswith(' '.join(_cmd(stopped)[1:]))
+  assert (stopped / 'checkpoints' / str(k) / 'commit_success.txt').exists()
+  assert [json.loads(l)['round'] for l in (stopped / 'metrics.jsonl').read_text().splitlines()
+          ] == list(range(k + 1))
+  subprocess.run(_cmd(stopped), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=900)
+  for x, y in zip(leaves_a, jax.tree_util.tree_leaves(_final_state(stopped))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert _losses(stopped) == _losses(full)
+  rounds = [json.loads(l)['round'] for l in (stopped / 'metrics.jsonl').read_text().splitlines()]
+  assert rounds == list(range(0, ROUNDS + 1))
+
 
 @pytest.mark.parametrize('override, message', [
     ('--config.alpha=-1', 'error: config.alpha = -1.0 is invalid: must be a finite number > 0.0'),
@@ -139,7 +171,7 @@ def _tiny_config(**overrides):
   config = quickstart.get_config()
   config.update(dict(dataset='fashion_mnist_subset', train_size=200, num_clients=2,
                      clients_per_round=2, partition='iid', batch_size=20, local_epochs=1, rounds=1,
-                     checkpoint_every=1, probe_epochs=1, probe_std_epochs=0, eval_every=0,
+                     checkpoint_every=1, probe='adam', probe_epochs=1, probe_std_epochs=0, eval_every=0,
                      knn_k=10, encoder='mlp', augmentation='flip'))
   config.update(overrides)
   return config
@@ -166,7 +198,7 @@ def test_console_shows_progress_lines_and_library_logs_go_to_train_log(tmp_path)
          f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in dict(
              dataset='fashion_mnist_subset', train_size=200, num_clients=2, clients_per_round=2,
              partition='iid', batch_size=20, local_epochs=1, rounds=2, checkpoint_every=1,
-             probe_epochs=1, probe_std_epochs=0, eval_every=1, knn_k=10, encoder='mlp',
+             probe='adam', probe_epochs=1, probe_std_epochs=0, eval_every=1, knn_k=10, encoder='mlp',
              augmentation='flip').items()]
   out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
                        check=True)
@@ -255,3 +287,13 @@ def test_evaluate_reports_the_standardised_probe_when_asked():
                                seed=config.seed, standardize=standardize)
     assert got[key] == ref['test_acc'], key
   assert experiment.evaluate(_tiny_config(), algo, state, dataset, knn=False).keys() == {'probe_acc'}
+
+
+def test_best_over_rounds_skips_the_random_init_row_and_takes_the_first_best():
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  records = [{'round': 0, 'knn_acc': 0.9}, {'round': 1, 'loss': 2.0},
+             {'round': 5, 'knn_acc': 0.61}, {'round': 10, 'knn_acc': 0.64},
+             {'round': 15, 'knn_acc': 0.64}, {'round': 20, 'knn_acc': 0.62}]
+  assert train.best_over_rounds(records, 'knn_acc') == {'knn_acc_best': 0.64,
+                                                        'knn_acc_best_round': 10}
+  assert train.best_over_rounds(records[:2], 'knn_acc') == {}

@@ -1,0 +1,176 @@
+"""fedjax_ssl.run_guard, piece by piece: the workdir lock, the config comparison of a resume, the
+divergence check, the stop signals and the fallback over unreadable checkpoints. End to end through
+experiments.train: tests/experiments/test_train_faults.py."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_ssl import checkpoint, experiment, run_guard
+
+
+def _dead_pid():
+  proc = subprocess.Popen([sys.executable, '-c', 'pass'])
+  proc.wait()
+  return proc.pid
+
+
+def test_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
+  path = tmp_path / 'run.lock'
+  with run_guard.WorkdirLock(path) as first:
+    assert first.acquire() is None
+    holder = json.loads(path.read_text())
+    assert holder['pid'] == os.getpid() and holder['host'] == socket.gethostname()
+    # flock is per open file: a second lock in the same process is refused like another process.
+    with pytest.raises(run_guard.RunStateError,
+                       match=rf'workdir {tmp_path} is in use by another run \(pid {os.getpid()} on '
+                             rf'host {socket.gethostname()}, started .*use another --workdir'):
+      run_guard.WorkdirLock(path).acquire()
+  assert path.read_text() == ''  # released: emptied, kept
+  with run_guard.WorkdirLock(path) as again:
+    assert again.acquire() is None  # a clean release leaves nothing to take over
+
+  # A run killed while holding it: the kernel dropped the flock, its record stayed.
+  pid = _dead_pid()
+  path.write_text(json.dumps({'host': socket.gethostname(), 'pid': pid, 'started': 'then'}))
+  with run_guard.WorkdirLock(path) as lock:
+    warning = lock.acquire()
+  assert warning == (f'warning: took over the lock of a run that ended without releasing it (pid '
+                     f'{pid} on host {socket.gethostname()}, started then, no longer running)')
+
+
+def test_lock_of_a_killed_process_is_free(tmp_path):
+  path = tmp_path / 'run.lock'
+  holder = subprocess.Popen(
+      [sys.executable, '-c', 'import sys, time; from fedjax_ssl import run_guard; '
+       'run_guard.WorkdirLock(sys.argv[1]).acquire(); print("locked", flush=True); time.sleep(60)',
+       str(path)], stdout=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  try:
+    assert holder.stdout.readline().strip() == 'locked'
+    with pytest.raises(run_guard.RunStateError, match=f'pid {holder.pid} on host'):
+      run_guard.WorkdirLock(path).acquire()
+  finally:
+    holder.kill()
+    holder.wait()
+  with run_guard.WorkdirLock(path) as lock:
+    assert f'pid {holder.pid} on host' in lock.acquire()
+
+
+def test_config_changes_ignore_neutral_and_unused_keys(tmp_path):
+  assert run_guard.stored_config(tmp_path) is None
+  saved = experiment.default_config()
+  saved.partition = 'iid'
+  (tmp_path / 'config.json').write_text(json.dumps(saved.to_dict()))  # tuples become lists
+  stored = run_guard.stored_config(tmp_path)
+  current = experiment.default_config()
+  current.update(dict(partition='iid', alpha=0.1, checkpoint_every=3, eval_every=7))
+  current.fedu2.lambda_u = 0.0  # the block of an algorithm this run does not use
+  assert run_guard.config_changes(stored, current) == {}
+  current.update(dict(rounds=40, lr=0.5, label_fractions=(1.0, 0.1, 0.01)))
+  changes = run_guard.config_changes(stored, current)
+  assert changes == {'lr': (stored.lr, 0.5), 'rounds': (stored.rounds, 40)}
+  assert run_guard.format_changes(changes) == f'lr {stored.lr!r} -> 0.5, rounds 100 -> 40'
+  assert run_guard.format_changes(changes, limit=1).endswith('and 1 more')
+  (tmp_path / 'config.json').write_bytes(b'\x88{')
+  with pytest.raises(run_guard.RunStateError, match='config.json is unreadable'):
+    run_guard.stored_config(tmp_path)
+
+
+def test_config_changes_are_recorded_with_their_round(tmp_path):
+  assert run_guard.read_config_changes(tmp_path) == []
+  run_guard.record_config_changes(tmp_path, 15, {'rounds': (60, 40)})
+  history = run_guard.record_config_changes(tmp_path, 20, {'lr': (0.1, 0.2)})
+  assert history == [{'round': 15, 'changes': {'rounds': [60, 40]}},
+                     {'round': 20, 'changes': {'lr': [0.1, 0.2]}}]
+  assert run_guard.read_config_changes(tmp_path) == history
+  run_guard.clear_config_changes(tmp_path)
+  assert run_guard.read_config_changes(tmp_path) == []
+
+
+def test_finite_check_flags_each_floating_leaf():
+  tree = {'a': jnp.ones(3), 'b': {'w': jnp.array([1.0, jnp.inf])}, 'n': jnp.int32(4),
+          'key': jax.random.PRNGKey(0), 'typed': jax.random.key(1)}
+  names, check = run_guard.make_finite_check(tree)
+  assert names == ["['a']", "['b']['w']"]
+  np.testing.assert_array_equal(np.asarray(check(tree)), [True, False])
+
+
+def test_divergence_watch_reports_the_first_non_finite_quantity():
+  names = ["['params']['w']"]
+  history = [{'round': 0, 'knn_acc': 0.3}, {'round': 1, 'loss': 2.5, 'lr': 0.1}]
+  watch = run_guard.DivergenceWatch(10, names, history)
+  ok = np.array([True])
+  assert watch.check(2, {'loss': 1.25, 'lr': 0.1}, ok) is None
+  d = watch.check(3, {'loss': float('nan'), 'lr': float('inf')}, ok)
+  assert (d.round, d.quantity, d.last_finite_round, d.last_finite_value) == (3, 'loss', 2, 1.25)
+  hint = run_guard.divergence_hint(0.1, 0.0)
+  assert d.message(hint) == (
+      'error: diverged at round 3/10: loss = nan (last finite: 1.25 at round 2); lower config.lr '
+      '(now 0.1) or clip gradients (config.grad_clip_norm, now 0 = off); in reduced precision '
+      '(bfloat16/float16) try float32')
+  assert d.to_json() == {'round': 3, 'quantity': 'loss', 'value': 'nan', 'last_finite_round': 2,
+                         'last_finite_value': 1.25}
+  d = watch.check(3, {'loss': 1.0}, np.array([False]))
+  assert d.message('H') == ("error: diverged at round 3/10: server parameter ['params']['w'] is "
+                            'not finite (finite through round 2); H')
+  d = run_guard.DivergenceWatch(10, names).check(1, {'loss': float('-inf')}, ok)
+  assert d.message('H') == 'error: diverged at round 1/10: loss = -inf (never finite); H'
+  assert 'lower config.grad_clip_norm (now 5)' in run_guard.divergence_hint(1.0, 5.0)
+
+
+def test_stop_signals_set_a_flag_and_put_the_handlers_back():
+  # Python's own SIGINT handler as the one to go back to: a pytest-xdist worker starts with another.
+  worker_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    before = {s: signal.getsignal(s) for s in run_guard.StopSignals.SIGNALS}
+    with run_guard.StopSignals() as stop:
+      assert stop.agreed() == 0
+      os.kill(os.getpid(), signal.SIGTERM)  # handled between bytecodes: the process goes on
+      assert stop.agreed() == signal.SIGTERM
+      with pytest.raises(KeyboardInterrupt):  # a second signal does what it did before: SIGINT's
+        os.kill(os.getpid(), signal.SIGINT)
+    assert {s: signal.getsignal(s) for s in run_guard.StopSignals.SIGNALS} == before
+  finally:
+    signal.signal(signal.SIGINT, worker_sigint)
+  stopped = run_guard.Preempted(signal.SIGTERM)
+  assert isinstance(stopped, SystemExit) and stopped.code == 143
+  assert run_guard.exit_status_for_signal(signal.SIGINT) == 130
+
+
+def _corrupt(step_dir, rng):
+  """Overwrites the array data files of a checkpoint with random bytes of the same size."""
+  for path in sorted((step_dir / 'state').rglob('*')):
+    if path.is_file() and (path.parent.name == 'd' or path.name == 'manifest.ocdbt'):
+      path.write_bytes(rng.bytes(path.stat().st_size))
+
+
+def test_unreadable_checkpoints_are_moved_aside_and_the_newest_intact_one_restored(tmp_path):
+  state = {'w': jnp.arange(4096, dtype=jnp.float32), 'key': jax.random.PRNGKey(0)}
+  rng = np.random.default_rng(0)
+  with checkpoint.Checkpointer(tmp_path, save_every=1, max_to_keep=3) as ckpt:
+    for r in (1, 2, 3):
+      ckpt.maybe_save(r, jax.tree.map(lambda x, r=r: x + r if x.dtype == jnp.float32 else x,
+                                      state))
+    _corrupt(tmp_path / '3', rng)
+    with pytest.raises(checkpoint.UnreadableCheckpoint, match='checkpoint of round 3 in .* is '
+                                                              r'unreadable \(state/'):
+      ckpt.restore(state, 3)
+    r, restored, _ = run_guard.restore_newest_intact(ckpt, state, echo=False, primary=True)
+    assert r == 2 and ckpt.all_rounds() == [1, 2]
+    np.testing.assert_array_equal(np.asarray(restored['w']), np.arange(4096) + 2.0)
+    assert sorted(os.listdir(tmp_path / 'corrupt')) == ['3']
+    for step in (1, 2):
+      _corrupt(tmp_path / str(step), rng)
+    assert run_guard.restore_newest_intact(ckpt, state, echo=False, primary=True) is None
+    assert ckpt.all_rounds() == [] and sorted(os.listdir(tmp_path / 'corrupt')) == ['1', '2', '3']
+    ckpt.maybe_save(3, state)  # the same round again: moved aside under another name
+    _corrupt(tmp_path / '3', rng)
+    assert ckpt.move_aside(3) == str(tmp_path / 'corrupt' / '3.1')
