@@ -359,13 +359,7 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(state))
   writer.close()
-  results = {'status': 'completed', 'final': final, 'random_init': random_init,
-             'rounds': config.rounds, 'algorithm': algo.name, 'ssl_method': config.ssl_method}
-  if raw_pixels is not None:
-    results['raw_pixels'] = raw_pixels
-  config_history = run_guard.read_config_changes(workdir)
-  if config_history:
-    results['config_changes'] = config_history
+  results = _results('completed', config, algo, random_init, raw_pixels, workdir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if plan is not None:
@@ -412,6 +406,20 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   return results
 
 
+def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: pathlib.Path,
+             **fields) -> dict:
+  """What every results.json holds: the status, `fields`, the references (random init, raw
+  pixels), the run's identity and the config changes it went through."""
+  results = {'status': status, **fields, 'random_init': random_init, 'rounds': config.rounds,
+             'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if raw_pixels is not None:
+    results['raw_pixels'] = raw_pixels
+  config_history = run_guard.read_config_changes(workdir)
+  if config_history:
+    results['config_changes'] = config_history
+  return results
+
+
 def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, record: dict) -> None:
   """Logs the round that diverged (metrics.jsonl keeps NaN / Infinity) without tensorboardX's
   console warning about them: the divergence line says more."""
@@ -439,13 +447,8 @@ def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, r
   if not primary:
     return {'status': 'diverged'}
   writer.close()
-  results = {'status': 'diverged', 'diverged': diverged.to_json(), 'random_init': random_init,
-             'rounds': config.rounds, 'algorithm': algo.name, 'ssl_method': config.ssl_method}
-  if raw_pixels is not None:
-    results['raw_pixels'] = raw_pixels
-  config_history = run_guard.read_config_changes(workdir)
-  if config_history:
-    results['config_changes'] = config_history
+  results = _results('diverged', config, algo, random_init, raw_pixels, workdir,
+                     diverged=diverged.to_json())
   _write_json(workdir / 'results.json', results)
   return results
 

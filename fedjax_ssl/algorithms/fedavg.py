@@ -115,6 +115,13 @@ def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) 
   for field in ('params', 'batch_stats'):
     if _private(client[field], names):
       out[field] = _private(client[field], names)
+  return dict(out, **kept_local_state(spec, client, byol_target_sync))
+
+
+def kept_local_state(spec: ssl_client.ClientSpec, client, byol_target_sync: str) -> dict:
+  """The optimizer state without a reset and BYOL's local target under 'keep' (with its flag): the
+  part of `persistent_part` that does not depend on which modules are shared."""
+  out = {}
   if not spec.reset_optimizer:
     out['opt_state'] = client['opt_state']
   if spec.method == 'byol' and byol_target_sync == 'keep':

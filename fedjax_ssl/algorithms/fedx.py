@@ -148,13 +148,9 @@ def make(spec: ssl_client.ClientSpec, *, batch_size: int, fx: FedXConfig = FedXC
                   'valid': jnp.zeros((), jnp.float32)}
 
   def persist(client):
-    out = {'anchor': client['anchor']}
-    if not spec.reset_optimizer:
-      out['opt_state'] = client['opt_state']
-    if spec.method == 'byol' and byol_target_sync == 'keep':
-      out['target'] = client['target']
-      out['extras'] = {'participated': client['extras']['participated']}
-    return out
+    # FedX averages the whole network (predictor included), so no module stays private.
+    return {'anchor': client['anchor'],
+            **fedavg.kept_local_state(spec, client, byol_target_sync)}
 
   def restore(stored, msg):
     client = fedavg.rebuild_client(spec, {k: v for k, v in stored.items() if k != 'anchor'}, msg)
