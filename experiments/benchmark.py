@@ -46,6 +46,15 @@ Augmentations (--augmentations): `byol_easyfl` (on-device SimCLR-style augmentat
 setting) and `flip` = model compute: the views differ only by a random horizontal flip, as PyTorch's
 two pre-made tensors differ. Not 'none': with identical views XLA computes the model once for both
 views (docs/notes/performance.md#scan-vs-step), half the work PyTorch does.
+With --precisions=float32,bfloat16 every JAX variant is also timed at config.precision = bfloat16
+(docs/notes/engine.md#eng-58), reported as '<variant>/bfloat16' beside the float32 '<variant>', in the
+same interleaved loop, with `speedup_vs_float32` (its float32 twin's time / its time; the other
+speed-ups are against the float32 loops); GFLOP/s count the same model FLOPs at every precision
+(XLA's count of the float32 step). --peak_tflops adds `mfu` = achieved
+FLOP/s / peak per variant: one value for every precision or one per --precisions entry, e.g. on an
+H100 SXM `--precisions=float32,bfloat16 --peak_tflops=67,989` (dense peaks: ~67 TFLOP/s float32
+without tensor cores, ~989 bf16 on tensor cores; XLA's default precision may run float32 matmuls as
+TF32, ~495 dense, which bounds float32 better than 67). Unset, no `mfu` is reported.
 All JAX variants compute the same numbers (tests/core/test_round_equivalence.py). Every variant first runs
 one warm-up round; then the timed rounds are interleaved across variants (round r of each variant,
 then round r + 1), so a drift in machine speed hits all alike. Reported: seconds per round (median of
@@ -84,6 +93,7 @@ import numpy as np  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import experiment  # noqa: E402
+from fedjax_ssl import models  # noqa: E402
 from fedjax_ssl.algorithms import fedavg, ssl_client  # noqa: E402
 from fedjax_ssl.core.algorithm import restore_client  # noqa: E402
 from fedjax_ssl.core import baselines, rng, strategies  # noqa: E402
@@ -118,6 +128,15 @@ _INTERLEAVE = flags.DEFINE_bool(
     'Keep every variant of a setting resident and interleave their timed rounds (robust ratios on a '
     'machine whose speed drifts). --nointerleave times one variant at a time and frees it before the '
     'next: for settings whose variants do not fit in memory together (ResNet-18 on CPU).')
+_PRECISIONS = flags.DEFINE_list(
+    'precisions', ['float32'],
+    "config.precision values to time every JAX variant at (float32 | bfloat16); a variant at a "
+    "precision other than float32 is reported as '<variant>/<precision>'. PyTorch stays float32.")
+_PEAK_TFLOPS = flags.DEFINE_list(
+    'peak_tflops', [],
+    'Peak TFLOP/s of the device, one value for every precision or one per --precisions entry, for '
+    'mfu = achieved FLOP/s / peak (H100 SXM dense: ~67 float32 without tensor cores, ~495 TF32, '
+    '~989 bf16). Empty: no mfu.')
 _MAX_SECONDS = flags.DEFINE_float(
     'max_variant_seconds', 600.0,
     'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).')
@@ -143,9 +162,11 @@ def participants(num_clients: int) -> int:
   return min(_PARTICIPANTS.value, num_clients) if _PARTICIPANTS.value else num_clients
 
 
-def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentation: str):
+def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentation: str,
+            precision: str = 'float32'):
   c = experiment.default_config()
   c.encoder = model
+  c.precision = precision
   c.heads = _SETTINGS[model]['heads']
   c.num_clients = num_clients
   c.clients_per_round = participants(num_clients)
@@ -246,8 +267,8 @@ def flops_per_client_step(model: str, augmentation: str) -> float:
   return float(cost.get('flops', 0.0))
 
 
-def prepare_variant(model: str, num_clients: int, variant: str, augmentation: str
-                    ) -> Dict[str, Any]:
+def prepare_variant(model: str, num_clients: int, variant: str, augmentation: str,
+                    precision: str = 'float32') -> Dict[str, Any]:
   """Builds a variant and runs its first (compiling) round; {'skipped': why} if it cannot run.
 
   Returns a dict whose 'run'(r) runs (and waits for) timed round r."""
@@ -260,7 +281,7 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   strategy, chunk = _VARIANT_STRATEGY[variant]
   if strategy == 'shard' and num_clients % jax.device_count():
     return {'skipped': f'{num_clients} clients not divisible by {jax.device_count()} devices'}
-  config = _config(model, num_clients, strategy, chunk, augmentation)
+  config = _config(model, num_clients, strategy, chunk, augmentation, precision)
   fed, ds = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
   algo = experiment.build_algorithm(config, ds)
   rcfg = experiment.round_config(config)
@@ -291,8 +312,8 @@ def _time_round(p: Dict[str, Any], r: int) -> None:
   p['times'].append(time.perf_counter() - t0)
 
 
-def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: float
-             ) -> Dict[str, Any]:
+def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: float,
+             precision: str = 'float32') -> Dict[str, Any]:
   """Timing record of a prepared and timed variant."""
   if 'skipped' in p:
     return p
@@ -300,7 +321,11 @@ def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: 
   steps = participants(num_clients) * _STEPS.value
   out = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
          'first_call_seconds': p['first'], 'compile_seconds_est': max(p['first'] - sec, 0.0),
-         'client_steps_per_second': steps / sec, 'gflops': flops_per_step * steps / sec / 1e9}
+         'client_steps_per_second': steps / sec, 'gflops': flops_per_step * steps / sec / 1e9,
+         'precision': precision}
+  peak = peak_tflops(precision)
+  if peak:
+    out['mfu'] = out['gflops'] / (1e3 * peak)
   if variant == 'torch':
     return out
   out['loss'] = float(p['metrics']['loss'])
@@ -319,28 +344,47 @@ def time_setting(model: str, num_clients: int, variants: List[str], augmentation
   first and their timed rounds interleaved (round r of every variant, then round r + 1), so drift in
   the machine's speed (shared or throttled CPUs) hits all variants alike and the ratios stay
   meaningful; otherwise one variant at a time, each freed before the next."""
+  jobs = variant_precisions(variants)
+  # The model's work, counted once in float32 for every precision: a bf16 program's own count
+  # also counts its casts (~10 % more on small_cnn), which are no model FLOPs.
   flops = flops_per_client_step(model, augmentation)
   if not _INTERLEAVE.value:
     results = {}
-    for v in variants:
-      p = prepare_variant(model, num_clients, v, augmentation)
+    for name, v, q in jobs:
+      p = prepare_variant(model, num_clients, v, augmentation, q)
       if 'skipped' not in p:
         for r in range(1, _REPEATS.value + 1):
           _time_round(p, r)
           if p['times'][-1] > _MAX_SECONDS.value:
             break
-      results[v] = _summary(p, v, num_clients, flops)
+      results[name] = _summary(p, v, num_clients, flops, q)
       del p  # this variant's state and executables go before the next one is built
       gc.collect()
     return results
-  prepared = {v: prepare_variant(model, num_clients, v, augmentation) for v in variants}
-  live = [v for v in variants if 'skipped' not in prepared[v]]
+  prepared = {name: prepare_variant(model, num_clients, v, augmentation, q) for name, v, q in jobs}
+  live = [name for name, _, _ in jobs if 'skipped' not in prepared[name]]
   for r in range(_REPEATS.value):
-    for v in list(live):
-      _time_round(prepared[v], r + 1)
-      if prepared[v]['times'][-1] > _MAX_SECONDS.value:
-        live.remove(v)
-  return {v: _summary(p, v, num_clients, flops) for v, p in prepared.items()}
+    for name in list(live):
+      _time_round(prepared[name], r + 1)
+      if prepared[name]['times'][-1] > _MAX_SECONDS.value:
+        live.remove(name)
+  return {name: _summary(prepared[name], v, num_clients, flops, q) for name, v, q in jobs}
+
+
+def variant_precisions(variants: List[str]) -> List[Tuple[str, str, str]]:
+  """(reported name, variant, precision) of every timed job: each variant at each of --precisions,
+  named '<variant>' at float32 and '<variant>/<precision>' otherwise; 'torch' (eager PyTorch) only
+  at float32."""
+  return [(v if q == 'float32' else f'{v}/{q}', v, q) for q in _PRECISIONS.value for v in variants
+          if v != 'torch' or q == 'float32']
+
+
+def peak_tflops(precision: str) -> float:
+  """--peak_tflops for `precision` (0 = not given: no mfu)."""
+  peaks = [float(p) for p in _PEAK_TFLOPS.value]
+  if not peaks:
+    return 0.0
+  return peaks[0] if len(peaks) == 1 else peaks[list(_PRECISIONS.value).index(precision)]
 
 
 def setting_variants(model: str, augmentation: str) -> List[str]:
@@ -378,6 +422,10 @@ def run() -> List[Dict]:
           for r in results.values():
             if base and 'seconds_per_round' in r:
               r[f'speedup_vs_{baseline}'] = base / r['seconds_per_round']
+        for name, r in results.items():  # '<variant>/<precision>' against '<variant>' (float32)
+          base = results.get(name.split('/')[0], {}).get('seconds_per_round')
+          if '/' in name and base and 'seconds_per_round' in r:
+            r['speedup_vs_float32'] = base / r['seconds_per_round']
         fed, _ = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
         row = {'model': model, 'augmentation': augmentation, 'clients': num_clients,
                'participants': participants(num_clients), 'results': results,
@@ -396,6 +444,9 @@ def run() -> List[Dict]:
                   flush=True)
         print(f'==> {model} {augmentation} C={num_clients}: GFLOP/s: ' + ', '.join(
             f'{v}: {r["gflops"]:.1f}' for v, r in results.items() if 'gflops' in r), flush=True)
+        if _PEAK_TFLOPS.value:
+          print(f'==> {model} {augmentation} C={num_clients}: MFU: ' + ', '.join(
+              f'{v}: {100 * r["mfu"]:.2f}%' for v, r in results.items() if 'mfu' in r), flush=True)
   return [info] + rows
 
 
@@ -531,10 +582,41 @@ def check_flags() -> None:
       raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
   if _BATCH.value < 2:
     raise cv.ConfigError(f'--batch_size = {_BATCH.value} is invalid: must be an integer >= 2')
+  _check_precisions()
   for value in _AUGMENTATIONS.value:
     if value not in augment.PRESETS:
       raise cv.ConfigError(f'--augmentations = {",".join(_AUGMENTATIONS.value)!r} is invalid: '
                            f'{value!r} is not one of {sorted(augment.PRESETS)}')
+
+
+def _check_precisions() -> None:
+  """--precisions: distinct config.precision values (float32 only under --setting=scale, which has
+  no precision variants and no mfu); --peak_tflops: numbers > 0, one for every precision or one per
+  --precisions entry."""
+  precisions, peaks = list(_PRECISIONS.value), list(_PEAK_TFLOPS.value)
+  text, peak_text = ','.join(precisions), ','.join(peaks)
+  for value in precisions:
+    if value not in models.PRECISIONS:
+      raise cv.ConfigError(f'--precisions = {text!r} is invalid: {value!r} is not one of '
+                           f'{list(models.PRECISIONS)}')
+  if not precisions or len(set(precisions)) != len(precisions):
+    raise cv.ConfigError(f'--precisions = {text!r} is invalid: must name distinct precisions, at '
+                         'least one')
+  if _SETTING.value == 'scale' and (precisions != ['float32'] or peaks):
+    raise cv.ConfigError(f'--precisions = {text!r}, --peak_tflops = {peak_text!r} are invalid with '
+                         "--setting=scale: it times float32 only and reports no mfu")
+  if not all(_positive_number(p) for p in peaks):
+    raise cv.ConfigError(f'--peak_tflops = {peak_text!r} is invalid: must be numbers > 0 (TFLOP/s)')
+  if len(peaks) > 1 and len(peaks) != len(precisions):
+    raise cv.ConfigError(f'--peak_tflops = {peak_text!r} is invalid: give one value, or one per '
+                         f'--precisions entry ({len(precisions)})')
+
+
+def _positive_number(text: str) -> bool:
+  try:
+    return float(text) > 0
+  except ValueError:
+    return False
 
 
 def apply_setting_defaults() -> None:

@@ -9,6 +9,7 @@ its own block through the registry (`algorithms.registry.validate`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -68,6 +69,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
+  # Compute dtype of convolutions, matmuls and activations: float32 | bfloat16. Parameters, optimizer
+  # state, BN statistics, losses and the ops stay float32 (docs/notes/engine.md#eng-58).
+  c.precision = 'float32'
   c.heads = 'easyfl'              # a models.HEAD_PRESETS name or 'custom'
   c.proj_hidden = 256             # heads == 'custom'
   c.proj_out = 128
@@ -177,6 +181,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('partition', config.partition, PARTITIONS)
   cv.check_choice('encoder', config.encoder, tuple(models.ENCODERS))
   cv.check_choice('conv_impl', config.conv_impl, models.layers.CONV_IMPLS)
+  cv.check_choice('precision', config.precision, tuple(models.PRECISIONS))
   cv.check_choice('heads', config.heads, HEADS)
   cv.check_choice('augmentation', config.augmentation, tuple(augment.PRESETS))
   cv.check_choice('byol_target_sync', config.byol_target_sync, BYOL_TARGET_SYNC)
@@ -306,9 +311,11 @@ def dataset_info(config: ml_collections.ConfigDict) -> Optional[DatasetInfo]:
   return data_info.dataset_info(config.dataset, config.data_source, config.data_dir)
 
 
+@functools.lru_cache(maxsize=None)
 def _encoder_input_error(encoder: str, input_shape: Tuple[int, int, int]) -> Optional[str]:
   """Why `encoder` cannot take [B, *input_shape] images (None if it can). Traced abstractly with
-  `jax.eval_shape`: no parameters are allocated and nothing is computed."""
+  `jax.eval_shape`: no parameters are allocated and nothing is computed. Cached: a table validates
+  hundreds of cells over a few encoders and shapes, and tracing a ResNet takes about a second."""
   module = models.get_encoder(encoder, conv_impl='xla')  # same shapes as im2col, no backend query
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
   x = jax.ShapeDtypeStruct((2,) + tuple(input_shape), jnp.float32)

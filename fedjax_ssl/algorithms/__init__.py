@@ -12,4 +12,6 @@ A researcher's own algorithm registers the same way from their own file
 # Importing a module registers it; the order is the order of `names()`.
 from fedjax_ssl.algorithms import fedavg, fedu, fedema, fedu2, fedsc, hetero_ssfl  # noqa: F401
 from fedjax_ssl.algorithms import repshare, fd, independent, feddecorr, ldawa, fedx  # noqa: F401
+from fedjax_ssl.algorithms import fedca  # noqa: F401
+from fedjax_ssl.algorithms import orchestra  # noqa: F401
 from fedjax_ssl.algorithms.registry import Plan, get, names, register  # noqa: F401

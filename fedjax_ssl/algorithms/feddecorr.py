@@ -26,8 +26,9 @@ FEATURES = {'backbone': 'h', 'projector': 'z'}
 
 
 def make(spec: ssl_client.ClientSpec, *, beta: float = 0.1, features: str = 'backbone',
-         byol_target_sync: str = 'keep') -> Algorithm:
-  """FedAvg of `spec` with beta * FedDecorr's loss on `features` added per view."""
+         byol_target_sync: str = 'keep', stateless: bool = True) -> Algorithm:
+  """FedAvg of `spec` with beta * FedDecorr's loss on `features` added per view (`stateless` as
+  in fedavg.make)."""
   if spec.method not in METHODS:
     raise ValueError(f'FedDecorr: ssl_method = {spec.method!r} is invalid, must be one of '
                      f'{METHODS}')
@@ -39,7 +40,7 @@ def make(spec: ssl_client.ClientSpec, *, beta: float = 0.1, features: str = 'bac
   # beta = 0 adds no term at all (not a zero one), so the step is FedAvg's bit for bit.
   reg = None if beta == 0 else (lambda z, key: beta * decorr.feddecorr_loss(z))
   spec = dataclasses.replace(spec, feature_regularizer=reg, regularized=FEATURES[features])
-  return fedavg.make(spec, byol_target_sync=byol_target_sync, name='feddecorr')
+  return fedavg.make(spec, byol_target_sync=byol_target_sync, name='feddecorr', stateless=stateless)
 
 
 def config_block() -> ml_collections.ConfigDict:

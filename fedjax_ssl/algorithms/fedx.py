@@ -121,7 +121,8 @@ def local_step(spec: ssl_client.ClientSpec, fx: FedXConfig, client, batch, key, 
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
                                                  spec.ema_tau),
                      'batch_stats': tbs}
-  new['anchor'] = {'x': batch['x'], 'valid': jnp.ones((), jnp.float32)}
+  # In the stored flag's dtype (float64 when a test runs the state in float64).
+  new['anchor'] = {'x': batch['x'], 'valid': jnp.ones_like(client['anchor']['valid'])}
   return new, loss
 
 
@@ -135,8 +136,10 @@ def with_predictor(spec: ssl_client.ClientSpec, predictor: models.MLPHead
 
 
 def make(spec: ssl_client.ClientSpec, *, batch_size: int, fx: FedXConfig = FedXConfig(),
-         byol_target_sync: str = 'keep') -> Algorithm:
-  """FedX over `spec` (an SSLModel with a predictor), clients stateless (module docstring)."""
+         byol_target_sync: str = 'keep', stateless: bool = True) -> Algorithm:
+  """FedX over `spec` (an SSLModel with a predictor), clients stateless (module docstring) unless
+  `stateless` is False: then every client's whole state is stored (the same numbers; the reference
+  loop of tests/core/test_round_equivalence.py runs that twin)."""
   if spec.method not in METHODS:
     raise ValueError(f'FedX: ssl_method = {spec.method!r} is invalid, must be one of {METHODS}')
   if spec.model.predictor is None:
@@ -158,7 +161,7 @@ def make(spec: ssl_client.ClientSpec, *, batch_size: int, fx: FedXConfig = FedXC
 
   def init(key, num_clients):
     client = dict(ssl_client.init_client(spec, key), anchor=empty_anchor)
-    return replicate(persist(client), num_clients), _subset(client)
+    return replicate(persist(client) if stateless else client, num_clients), _subset(client)
 
   def begin(client, msg, key):
     del key
@@ -170,7 +173,8 @@ def make(spec: ssl_client.ClientSpec, *, batch_size: int, fx: FedXConfig = FedXC
   algo = fedavg.global_model_algorithm(spec, name='fedx', init=init, begin=begin)
   return dataclasses.replace(
       algo, local_step=lambda c, b, k, msg, lr: local_step(spec, fx, c, b, k, msg, lr),
-      upload=lambda client, msg, local: _subset(client), stateless=Stateless(persist, restore))
+      upload=lambda client, msg, local: _subset(client),
+      stateless=Stateless(persist, restore) if stateless else None)
 
 
 def config_block() -> ml_collections.ConfigDict:
@@ -192,9 +196,7 @@ def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
 
 
 def _predictor(config: ml_collections.ConfigDict) -> models.MLPHead:
-  if config.heads == 'custom':
-    return models.MLPHead(config.pred_hidden, config.pred_out, config.head_bn)
-  return models.make_heads(config.heads, True)[1]
+  return ssl_client.heads_from_config(config, True)[1]
 
 
 def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:

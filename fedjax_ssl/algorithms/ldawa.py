@@ -21,13 +21,14 @@ from fedjax_ssl.ops import ldawa as ldawa_ops
 
 
 def make(spec: ssl_client.ClientSpec, *, size_weights: bool = False,
-         byol_target_sync: str = 'keep') -> Algorithm:
-  """FedAvg of `spec` with L-DAWA's aggregation (uniform weights unless `size_weights`)."""
+         byol_target_sync: str = 'keep', stateless: bool = True) -> Algorithm:
+  """FedAvg of `spec` with L-DAWA's aggregation (uniform weights unless `size_weights`;
+  `stateless` as in fedavg.make)."""
   def aggregate(server, payloads, weights, ids):
     del ids
     return ldawa_ops.aggregate(payloads, server, weights if size_weights else None)
   return dataclasses.replace(
-      fedavg.make(spec, byol_target_sync=byol_target_sync, name='ldawa'), aggregate=aggregate)
+      fedavg.make(spec, byol_target_sync=byol_target_sync, name='ldawa', stateless=stateless), aggregate=aggregate)
 
 
 def config_block() -> ml_collections.ConfigDict:

@@ -212,20 +212,34 @@ def encoder_variables(variables: Dict[str, Any]) -> Dict[str, Any]:
   return out
 
 
+def encoder_from_config(config: ml_collections.ConfigDict, encoder: str = '') -> nn.Module:
+  """The backbone `encoder` (default config.encoder) with the run's conv_impl and precision: the one
+  place where config.precision becomes the modules' compute dtype."""
+  return models.get_encoder(encoder or config.encoder, conv_impl=config.conv_impl,
+                            dtype=models.compute_dtype(config.precision))
+
+
+def heads_from_config(config: ml_collections.ConfigDict, with_predictor: bool
+                      ) -> Tuple[models.MLPHead, Optional[models.MLPHead]]:
+  """(projector, predictor or None): the configured preset or custom sizes, at the run's
+  precision."""
+  dtype = models.compute_dtype(config.precision)
+  if config.heads != 'custom':
+    return models.make_heads(config.heads, with_predictor, dtype)
+  projector = models.MLPHead(config.proj_hidden, config.proj_out, config.head_bn, dtype)
+  predictor = models.MLPHead(config.pred_hidden, config.pred_out, config.head_bn, dtype)
+  return projector, predictor if with_predictor else None
+
+
 def model_from_config(config: ml_collections.ConfigDict, num_classes: int, encoder: str = ''
                       ) -> nn.Module:
   """The client model around `encoder` (default config.encoder): an SSLModel with the configured
   heads, or a Classifier for ssl_method 'supervised'."""
-  module = models.get_encoder(encoder or config.encoder, conv_impl=config.conv_impl)
+  module = encoder_from_config(config, encoder)
   if config.ssl_method == 'supervised':
-    return models.Classifier(module, num_classes)
-  with_pred = config.ssl_method in ('byol', 'simsiam')
-  if config.heads == 'custom':
-    projector = models.MLPHead(config.proj_hidden, config.proj_out, config.head_bn)
-    predictor = models.MLPHead(config.pred_hidden, config.pred_out, config.head_bn) if with_pred else None
-  else:
-    projector, predictor = models.make_heads(config.heads, with_pred)
-  return models.SSLModel(module, projector, predictor)
+    return models.Classifier(module, num_classes, dtype=models.compute_dtype(config.precision))
+  with_predictor = config.ssl_method in ('byol', 'simsiam')
+  return models.SSLModel(module, *heads_from_config(config, with_predictor))
 
 
 def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder: str = ''

@@ -13,7 +13,6 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import algorithms
-from fedjax_ssl import models
 from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
@@ -74,7 +73,7 @@ def encoder_modules(config: ml_collections.ConfigDict) -> List[nn.Module]:
   """The backbone module of each of the run's cohorts (one without cohorts), in cohort order: what
   fine-tuning trains (the algorithms' `encoder_apply` is inference only). Modules compare equal
   across calls, so the compiled fine-tuning program is reused by every evaluation of a run."""
-  return [models.get_encoder(name, conv_impl=config.conv_impl)
+  return [ssl_client.encoder_from_config(config, name)
           for _, name in algorithms.registry.encoders(config)]
 
 

@@ -5,12 +5,14 @@
   model = SSLModel(enc, *make_heads('fedu2'))     # params['encoder'], ['projector'], ['predictor']
 
 Every encoder takes `conv_impl` ('auto' | 'xla' | 'im2col', see layers.Conv); 'auto' uses im2col
-on CPU and XLA's convolution elsewhere.
+on CPU and XLA's convolution elsewhere. Every encoder and head takes `dtype`, the compute dtype
+(`compute_dtype(config.precision)`: None for float32, bfloat16); parameters stay float32 and
+outputs are at least float32.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, NamedTuple, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -19,6 +21,7 @@ import numpy as np
 from fedjax_ssl.models import layers
 from fedjax_ssl.models.fixup import FixupResNet20
 from fedjax_ssl.models.heads import HEAD_PRESETS, Classifier, MLPHead, SSLModel, make_heads
+from fedjax_ssl.models.layers import PRECISIONS, compute_dtype
 from fedjax_ssl.models.repshare import LeNet5, RepShareResNet18, ResNet9
 from fedjax_ssl.models.resnet import CifarResNet
 from fedjax_ssl.models.small import MLP, HeteroCNN, SmallCNN
@@ -80,9 +83,12 @@ def input_shape(name: str) -> Tuple[int, int, int]:
   return _spec(name).input_shape
 
 
-def build_ssl_model(name: str, head_preset: str, with_predictor: bool = True, **overrides) -> SSLModel:
-  """SSLModel(get_encoder(name, **overrides), *make_heads(head_preset, with_predictor))."""
-  return SSLModel(get_encoder(name, **overrides), *make_heads(head_preset, with_predictor))
+def build_ssl_model(name: str, head_preset: str, with_predictor: bool = True,
+                    dtype: Optional[Any] = None, **overrides) -> SSLModel:
+  """SSLModel(get_encoder(name, dtype=dtype, **overrides), *make_heads(head_preset, with_predictor,
+  dtype))."""
+  return SSLModel(get_encoder(name, dtype=dtype, **overrides),
+                  *make_heads(head_preset, with_predictor, dtype))
 
 
 def count_params(tree: Any) -> int:
@@ -92,6 +98,7 @@ def count_params(tree: Any) -> int:
 
 
 __all__ = [
-    'ENCODERS', 'EncoderSpec', 'HEAD_PRESETS', 'Classifier', 'MLPHead', 'SSLModel', 'build_ssl_model',
-    'count_params', 'feature_dim', 'get_encoder', 'input_shape', 'layers', 'make_heads',
+    'ENCODERS', 'EncoderSpec', 'HEAD_PRESETS', 'PRECISIONS', 'Classifier', 'MLPHead', 'SSLModel',
+    'build_ssl_model', 'compute_dtype', 'count_params', 'feature_dim', 'get_encoder', 'input_shape',
+    'layers', 'make_heads',
 ]

@@ -11,10 +11,11 @@ No BatchNorm. Scalar parameters (shape ()) replace it:
 Initialisation: block conv1 ~ N(0, sqrt(2 / (cout * 9)) / sqrt(L)) with L = 9 blocks, block conv2 = 0,
 scale = 1, all biases 0; the stem conv keeps PyTorch's default. At init every block is therefore
 relu(identity). Parameter count (widen 8): 17,108,352 conv weights + 47 scalars.
+Computes in `dtype` (layers.Conv; the scalars are cast to it) and returns float32 features.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -25,7 +26,10 @@ from fedjax_ssl.models import layers
 
 
 def _scalar(module: nn.Module, name: str, value: float) -> jax.Array:
-  return module.param(name, nn.initializers.constant(value), (), jnp.float32)
+  """A float32 scalar parameter, in the module's compute dtype (a float32 one would promote the
+  activations it is added to)."""
+  value = module.param(name, nn.initializers.constant(value), (), jnp.float32)
+  return layers.cast(module.dtype, value)[0]
 
 
 class FixupBlock(nn.Module):
@@ -40,6 +44,7 @@ class FixupBlock(nn.Module):
   strides: int = 1
   num_layers: int = 9
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -53,11 +58,11 @@ class FixupBlock(nn.Module):
     bias1a = _scalar(self, 'bias1a', 0.0)
     out = layers.Conv(self.planes, 3, self.strides, padding=1, use_bias=False,
                       kernel_init=nn.initializers.normal(conv1_std), conv_impl=self.conv_impl,
-                      name='conv1')(x + bias1a)
+                      dtype=self.dtype, name='conv1')(x + bias1a)
     out = nn.relu(out + _scalar(self, 'bias1b', 0.0))
     out = layers.Conv(self.planes, 3, 1, padding=1, use_bias=False,
                       kernel_init=nn.initializers.zeros, conv_impl=self.conv_impl,
-                      name='conv2')(out + _scalar(self, 'bias2a', 0.0))
+                      dtype=self.dtype, name='conv2')(out + _scalar(self, 'bias2a', 0.0))
     out = out * _scalar(self, 'scale', 1.0) + _scalar(self, 'bias2b', 0.0)
     identity = x
     if self.strides != 1:
@@ -71,6 +76,7 @@ class FixupResNet20(nn.Module):
   widen: int = 8
   stage_sizes: Sequence[int] = (3, 3, 3)
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
 
   @property
   def feature_dim(self) -> int:
@@ -82,12 +88,13 @@ class FixupResNet20(nn.Module):
     layers.check_nhwc(x)
     num_layers = sum(self.stage_sizes)
     width = 16 * self.widen
-    x = layers.Conv(width, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl, name='conv1')(x)
+    x = layers.Conv(width, 3, 1, padding=1, use_bias=False, conv_impl=self.conv_impl,
+                    dtype=self.dtype, name='conv1')(x)
     x = nn.relu(x + _scalar(self, 'bias1', 0.0))
     for i, num_blocks in enumerate(self.stage_sizes):
       planes = width * 2 ** i
       for j in range(num_blocks):
         strides = 2 if (i > 0 and j == 0) else 1
-        x = FixupBlock(planes, strides, num_layers, conv_impl=self.conv_impl,
+        x = FixupBlock(planes, strides, num_layers, conv_impl=self.conv_impl, dtype=self.dtype,
                        name=f'layer{i + 1}_{j}')(x)
-    return layers.global_avg_pool(x) + _scalar(self, 'bias2', 0.0)
+    return layers.as_float(layers.global_avg_pool(x) + _scalar(self, 'bias2', 0.0))

@@ -4,10 +4,13 @@ Submodule names are part of the contract: the engine averages, copies and EMA-tr
 subtrees by them ('encoder', 'projector', 'predictor' for SSLModel; 'encoder', 'head' for
 Classifier). The BYOL target is the {'encoder', 'projector'} subtree applied with
 with_predictor=False.
+
+Precision: the heads compute in their `dtype` (layers.Dense; BatchNorm statistics float32) and return
+at least float32, like the encoders, so every output of SSLModel and Classifier is float32.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -16,17 +19,18 @@ from fedjax_ssl.models import layers
 
 
 class MLPHead(nn.Module):
-  """Dense(hidden) -> [BatchNorm] -> ReLU -> Dense(out): [B, din] -> [B, out]."""
+  """Dense(hidden) -> [BatchNorm] -> ReLU -> Dense(out): [B, din] -> [B, out] (at least float32)."""
   hidden: int
   out: int
   use_bn: bool = True
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    x = layers.Dense(self.hidden, name='fc1')(x)
+    x = layers.Dense(self.hidden, dtype=self.dtype, name='fc1')(x)
     if self.use_bn:
-      x = layers.BatchNorm(use_running_average=not train, name='bn')(x)
-    return layers.Dense(self.out, name='fc2')(nn.relu(x))
+      x = layers.BatchNorm(use_running_average=not train, dtype=self.dtype, name='bn')(x)
+    return layers.as_float(layers.Dense(self.out, dtype=self.dtype, name='fc2')(nn.relu(x)))
 
 
 # Head sizes of the reference codes (projector, predictor), all taking the 512-d backbone output
@@ -44,12 +48,14 @@ HEAD_PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
 }
 
 
-def make_heads(preset: str, with_predictor: bool = True) -> Tuple[MLPHead, Optional[MLPHead]]:
-  """(projector, predictor or None) for a HEAD_PRESETS name."""
+def make_heads(preset: str, with_predictor: bool = True, dtype: Optional[Any] = None
+               ) -> Tuple[MLPHead, Optional[MLPHead]]:
+  """(projector, predictor or None) for a HEAD_PRESETS name, computing in `dtype`."""
   if preset not in HEAD_PRESETS:
     raise ValueError(f'head preset {preset!r}; allowed: {sorted(HEAD_PRESETS)}')
   cfg = HEAD_PRESETS[preset]
-  return MLPHead(**cfg['projector']), (MLPHead(**cfg['predictor']) if with_predictor else None)
+  return (MLPHead(**cfg['projector'], dtype=dtype),
+          MLPHead(**cfg['predictor'], dtype=dtype) if with_predictor else None)
 
 
 class SSLModel(nn.Module):
@@ -73,10 +79,13 @@ class SSLModel(nn.Module):
 
 
 class Classifier(nn.Module):
-  """encoder -> Dense(num_classes) ('head'): [B,H,W,C] -> logits [B, num_classes]."""
+  """encoder -> Dense(num_classes) ('head'): [B,H,W,C] -> logits [B, num_classes], at least
+  float32; the head computes in `dtype`."""
   encoder: nn.Module
   num_classes: int
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    return layers.Dense(self.num_classes, name='head')(self.encoder(x, train))
+    head = layers.Dense(self.num_classes, dtype=self.dtype, name='head')
+    return layers.as_float(head(self.encoder(x, train)))

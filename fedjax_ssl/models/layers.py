@@ -8,6 +8,12 @@ with plain slices and contracts them with the kernel in ONE matmul, which XLA:CP
 (batched) GEMM. Both implementations read the same 'kernel' [kh, kw, cin, cout] (HWIO, like
 flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable between them.
 
+Precision: every layer takes `dtype`, the compute dtype of its matmul / convolution and output
+(None: the dtype of its input and parameters, i.e. float32, or float64 in the x64 tests).
+Parameters are float32 whatever `dtype` is; `compute_dtype(config.precision)` gives the dtype, and
+the encoders and heads return their outputs at least float32 (`as_float`), so losses, evaluation
+and the ops see float32 (docs/notes/engine.md#eng-58).
+
 Initialisation follows PyTorch's defaults, because every reference code reproduced here
 (repshare, FedSC, EasyFL, FedU2) is PyTorch with default-initialised Conv2d/Linear layers:
 weights ~ U(+-1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5)) and biases ~ U(+-1/sqrt(fan_in)).
@@ -15,14 +21,21 @@ weights ~ U(+-1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5)) and biases ~ U(+-
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_ssl.ops.numerics import as_float  # noqa: F401  (the modules' output cast, layers.as_float)
+
 CONV_IMPLS = ('auto', 'xla', 'im2col')
+
+# config.precision -> compute dtype of convolutions, matmuls and activations. 'float32' is None, not
+# jnp.float32: no cast at all, so a float32 run computes bit for bit what it did before the key
+# existed and the float64 reference tests stay float64.
+PRECISIONS: Dict[str, Optional[Any]] = {'float32': None, 'bfloat16': jnp.bfloat16}
 
 Initializer = Callable[..., jax.Array]
 PaddingLike = Union[str, int, Sequence[Union[int, Tuple[int, int]]]]
@@ -49,6 +62,18 @@ def torch_bias_init(fan_in: int) -> Initializer:
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
   return init
+
+
+def compute_dtype(precision: str) -> Optional[Any]:
+  """The layers' `dtype` for config.precision `precision` (None for 'float32', see PRECISIONS)."""
+  if precision not in PRECISIONS:
+    raise ValueError(f'precision={precision!r}; allowed: {tuple(PRECISIONS)}')
+  return PRECISIONS[precision]
+
+
+def cast(dtype: Optional[Any], *arrays: jax.Array) -> Tuple[jax.Array, ...]:
+  """`arrays` in the compute dtype `dtype`; unchanged when `dtype` is None."""
+  return arrays if dtype is None else tuple(jnp.asarray(a, dtype) for a in arrays)
 
 
 def resolve_conv_impl(conv_impl: str) -> str:
@@ -181,7 +206,8 @@ class Conv(nn.Module):
     kernel_init: initialiser of 'kernel' [kh, kw, cin, features]; PyTorch default.
     bias_init: initialiser of 'bias'; None = PyTorch default U(+-1/sqrt(kh*kw*cin)).
     conv_impl: 'auto' | 'xla' (lax.conv_general_dilated) | 'im2col' (slices + one matmul).
-  Input [..., H, W, cin] float; output [..., Ho, Wo, features].
+    dtype: compute dtype of the convolution and of the output (None: the input's and kernel's).
+  Input [..., H, W, cin] float; output [..., Ho, Wo, features], float32 parameters.
   """
   features: int
   kernel_size: Union[int, Sequence[int]]
@@ -191,6 +217,7 @@ class Conv(nn.Module):
   kernel_init: Initializer = torch_kernel_init
   bias_init: Optional[Initializer] = None
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -202,7 +229,7 @@ class Conv(nn.Module):
     lead, (h, w, cin) = x.shape[:-3], x.shape[-3:]
     pads = conv_padding(self.padding, (h, w), (kh, kw), strides)
     kernel = self.param('kernel', self.kernel_init, (kh, kw, cin, self.features), jnp.float32)
-    x4 = x.reshape((-1, h, w, cin))
+    x4, kernel = cast(self.dtype, x.reshape((-1, h, w, cin)), kernel)
     if impl == 'xla':
       y = jax.lax.conv_general_dilated(x4, kernel, strides, pads,
                                        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
@@ -210,28 +237,31 @@ class Conv(nn.Module):
       y = im2col_conv(x4, kernel, strides, pads)
     if self.use_bias:
       bias_init = self.bias_init or torch_bias_init(kh * kw * cin)
-      y = y + self.param('bias', bias_init, (self.features,), jnp.float32)
+      y = y + cast(self.dtype, self.param('bias', bias_init, (self.features,), jnp.float32))[0]
     return y.reshape(lead + y.shape[1:])
 
 
 class Dense(nn.Module):
   """Fully-connected layer, parameter-compatible with flax `nn.Dense` ('kernel' [din, features], 'bias').
 
-  Defaults to PyTorch nn.Linear initialisation (kernel and bias U(+-1/sqrt(din))).
+  Defaults to PyTorch nn.Linear initialisation (kernel and bias U(+-1/sqrt(din))). `dtype`: compute
+  dtype of the matmul and of the output [..., features] (None: the input's and kernel's); the
+  parameters are float32.
   """
   features: int
   use_bias: bool = True
   kernel_init: Initializer = torch_kernel_init
   bias_init: Optional[Initializer] = None
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     din = x.shape[-1]
     kernel = self.param('kernel', self.kernel_init, (din, self.features), jnp.float32)
-    y = jnp.dot(x, kernel)
+    y = jnp.dot(*cast(self.dtype, x, kernel))
     if self.use_bias:
       bias_init = self.bias_init or torch_bias_init(din)
-      y = y + self.param('bias', bias_init, (self.features,), jnp.float32)
+      y = y + cast(self.dtype, self.param('bias', bias_init, (self.features,), jnp.float32))[0]
     return y
 
 
@@ -260,28 +290,32 @@ def check_nhwc(x: jax.Array) -> None:
     raise ValueError(f'input must be [B, H, W, C]; got shape {x.shape}')
 
 
-def conv_bn(conv_impl: str, train: bool) -> Tuple[Callable[..., Conv], Callable[[str], nn.Module]]:
+def conv_bn(conv_impl: str, train: bool, dtype: Optional[Any] = None
+            ) -> Tuple[Callable[..., Conv], Callable[[str], nn.Module]]:
   """The ResNet encoders' layer constructors, (conv, bn):
 
     conv(features, kernel_size, strides, name): a bias-free Conv, PyTorch's symmetric k//2 padding;
     bn(name): the project BatchNorm, batch statistics when `train`, running averages otherwise.
+  Both compute in `dtype` (BatchNorm: its output; flax takes the statistics and the normalisation in
+  at least float32 and keeps the running statistics float32).
   Call them inside a compact module's __call__: the layers become that module's submodules.
   """
   def conv(features: int, kernel_size: int, strides: int, name: str) -> Conv:
     return Conv(features, kernel_size, strides, padding=kernel_size // 2, use_bias=False,
-                conv_impl=conv_impl, name=name)
+                conv_impl=conv_impl, dtype=dtype, name=name)
 
   def bn(name: str) -> nn.Module:
-    return BatchNorm(use_running_average=not train, name=name)
+    return BatchNorm(use_running_average=not train, dtype=dtype, name=name)
 
   return conv, bn
 
 
 def conv_bn_relu(x: jax.Array, features: int, train: bool, conv_impl: str,
-                 conv_name: str = 'conv1', bn_name: str = 'bn1') -> jax.Array:
+                 conv_name: str = 'conv1', bn_name: str = 'bn1', dtype: Optional[Any] = None
+                 ) -> jax.Array:
   """relu(BN(conv3x3(x))), stride 1, bias-free: the CIFAR ResNet stem [B,H,W,C] -> [B,H,W,features].
 
   As `conv_bn`, call inside a compact module's __call__.
   """
-  conv, bn = conv_bn(conv_impl, train)
+  conv, bn = conv_bn(conv_impl, train, dtype)
   return nn.relu(bn(bn_name)(conv(features, 3, 1, conv_name)(x)))

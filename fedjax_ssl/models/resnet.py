@@ -11,7 +11,7 @@ Padding is PyTorch's symmetric k//2 (not 'SAME'), so stride-2 windows are centre
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -22,14 +22,14 @@ BLOCKS = ('basic', 'bottleneck')
 
 
 def basic_branches(x: jax.Array, planes: int, strides: int, train: bool, conv_impl: str,
-                   project: bool) -> Tuple[jax.Array, jax.Array]:
+                   project: bool, dtype: Optional[Any] = None) -> Tuple[jax.Array, jax.Array]:
   """A basic residual block's two branches, not yet joined: [B,H,W,Cin] -> 2 x [B,H/s,W/s,planes].
 
   Residual BN(conv3x3(relu(BN(conv3x3_stride(x))))) (submodules conv1, bn1, conv2, bn2) and the
-  shortcut: x, or with `project` BN(conv1x1_stride(x)) (shortcut_conv, shortcut_bn). Call inside
-  the block's compact __call__.
+  shortcut: x, or with `project` BN(conv1x1_stride(x)) (shortcut_conv, shortcut_bn), computed in
+  `dtype` (layers.conv_bn). Call inside the block's compact __call__.
   """
-  conv, bn = layers.conv_bn(conv_impl, train)
+  conv, bn = layers.conv_bn(conv_impl, train, dtype)
   out = nn.relu(bn('bn1')(conv(planes, 3, strides, 'conv1')(x)))
   out = bn('bn2')(conv(planes, 3, 1, 'conv2')(out))
   shortcut = bn('shortcut_bn')(conv(planes, 1, strides, 'shortcut_conv')(x)) if project else x
@@ -41,11 +41,13 @@ class BasicBlock(nn.Module):
   planes: int
   strides: int = 1
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     project = self.strides != 1 or x.shape[-1] != self.planes
-    out, shortcut = basic_branches(x, self.planes, self.strides, train, self.conv_impl, project)
+    out, shortcut = basic_branches(x, self.planes, self.strides, train, self.conv_impl, project,
+                                   self.dtype)
     return nn.relu(out + shortcut)
 
 
@@ -54,11 +56,12 @@ class Bottleneck(nn.Module):
   planes: int
   strides: int = 1
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
   expansion = 4
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    conv, bn = layers.conv_bn(self.conv_impl, train)
+    conv, bn = layers.conv_bn(self.conv_impl, train, self.dtype)
     out_planes = self.expansion * self.planes
     out = nn.relu(bn('bn1')(conv(self.planes, 1, 1, 'conv1')(x)))
     out = nn.relu(bn('bn2')(conv(self.planes, 3, self.strides, 'conv2')(out)))
@@ -77,11 +80,14 @@ class CifarResNet(nn.Module):
     block: 'basic' or 'bottleneck'.
     widths: channels of the four stages (planes; bottleneck output is 4x).
     conv_impl: see layers.Conv.
+    dtype: compute dtype of the convolutions, BatchNorm outputs and activations (layers.Conv);
+      the features are returned at least float32.
   """
   stage_sizes: Sequence[int]
   block: str = 'basic'
   widths: Sequence[int] = (64, 128, 256, 512)
   conv_impl: str = 'auto'
+  dtype: Optional[Any] = None
 
   @property
   def feature_dim(self) -> int:
@@ -95,9 +101,10 @@ class CifarResNet(nn.Module):
       raise ValueError(f'stage_sizes={self.stage_sizes} and widths={self.widths} differ in length')
     layers.check_nhwc(x)
     block_cls = BasicBlock if self.block == 'basic' else Bottleneck
-    x = layers.conv_bn_relu(x, self.widths[0], train, self.conv_impl)
+    x = layers.conv_bn_relu(x, self.widths[0], train, self.conv_impl, dtype=self.dtype)
     for i, (num_blocks, planes) in enumerate(zip(self.stage_sizes, self.widths)):
       for j in range(num_blocks):
         strides = 2 if (i > 0 and j == 0) else 1
-        x = block_cls(planes, strides, conv_impl=self.conv_impl, name=f'layer{i + 1}_{j}')(x, train)
-    return layers.global_avg_pool(x)
+        x = block_cls(planes, strides, conv_impl=self.conv_impl, dtype=self.dtype,
+                      name=f'layer{i + 1}_{j}')(x, train)
+    return layers.as_float(layers.global_avg_pool(x))

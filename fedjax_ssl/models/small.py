@@ -14,10 +14,11 @@ hetero_cnn and mlp end in a ReLU because FedHeNN's feature vectors (CNNCifar100_
 MLP `get_feat_vec`) are taken after it; FedHeNN's dropout (0.6) before the classifier is left out
 because these are SSL encoders followed by projector heads. Flatten is HWC order (PyTorch: CHW),
 a fixed permutation of the Dense input that does not matter for training from scratch.
+Each computes in its `dtype` (layers.Conv) and returns its features at least float32.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -31,6 +32,7 @@ class SmallCNN(nn.Module):
   dense_features: Sequence[int] = (256, 128)
   conv_impl: str = 'auto'
   relu_features: bool = False  # a ReLU after the last Dense too (cross_device_cnn)
+  dtype: Optional[Any] = None
 
   @property
   def feature_dim(self) -> int:
@@ -41,38 +43,41 @@ class SmallCNN(nn.Module):
     del train
     layers.check_nhwc(x)
     for i, f in enumerate(self.conv_features):
-      x = layers.Conv(f, 3, 1, padding=1, conv_impl=self.conv_impl, name=f'conv{i + 1}')(x)
+      x = layers.Conv(f, 3, 1, padding=1, conv_impl=self.conv_impl, dtype=self.dtype,
+                      name=f'conv{i + 1}')(x)
       x = layers.max_pool(nn.relu(x))
     x = x.reshape(x.shape[0], -1)
     for i, f in enumerate(self.dense_features):
-      x = layers.Dense(f, name=f'fc{i + 1}')(x)
+      x = layers.Dense(f, dtype=self.dtype, name=f'fc{i + 1}')(x)
       if i < len(self.dense_features) - 1 or self.relu_features:
         x = nn.relu(x)
-    return x
+    return layers.as_float(x)
 
 
 class HeteroCNN(nn.Module):
   """FedHeNN CNNCifar100_1 encoder: [B, 32, 32, 3] -> [B, 128] (32 -> 28 -> 14 -> 10 -> 5)."""
   conv_impl: str = 'auto'
   feature_dim: int = 128
+  dtype: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
     del train
     layers.check_nhwc(x)
-    x = layers.max_pool(nn.relu(layers.Conv(64, 5, 1, padding='VALID', conv_impl=self.conv_impl,
-                                            name='conv1')(x)))
-    x = layers.max_pool(nn.relu(layers.Conv(128, 5, 1, padding='VALID', conv_impl=self.conv_impl,
-                                            name='conv2')(x)))
+    conv = lambda f, name: layers.Conv(f, 5, 1, padding='VALID', conv_impl=self.conv_impl,
+                                       dtype=self.dtype, name=name)
+    x = layers.max_pool(nn.relu(conv(64, 'conv1')(x)))
+    x = layers.max_pool(nn.relu(conv(128, 'conv2')(x)))
     x = x.reshape(x.shape[0], -1)
-    x = nn.relu(layers.Dense(256, name='fc1')(x))
-    return nn.relu(layers.Dense(self.feature_dim, name='fc2')(x))
+    x = nn.relu(layers.Dense(256, dtype=self.dtype, name='fc1')(x))
+    return layers.as_float(nn.relu(layers.Dense(self.feature_dim, dtype=self.dtype, name='fc2')(x)))
 
 
 class MLP(nn.Module):
   """MLP encoder: [B, H, W, C] -> flatten -> hidden layers with ReLU -> [B, features[-1]]."""
   features: Sequence[int] = (512, 256, 128)
   conv_impl: str = 'auto'  # accepted for a uniform encoder interface; the MLP has no convolution
+  dtype: Optional[Any] = None
 
   @property
   def feature_dim(self) -> int:
@@ -85,5 +90,5 @@ class MLP(nn.Module):
     layers.resolve_conv_impl(self.conv_impl)  # reject an invalid value like the conv encoders do
     x = x.reshape(x.shape[0], -1)
     for i, f in enumerate(self.features):
-      x = nn.relu(layers.Dense(f, name=f'fc{i + 1}')(x))
-    return x
+      x = nn.relu(layers.Dense(f, dtype=self.dtype, name=f'fc{i + 1}')(x))
+    return layers.as_float(x)

@@ -19,6 +19,12 @@
 
   decorr.py    FedDecorr's decorrelation loss of a batch (`feddecorr_loss`)
   ldawa.py     L-DAWA's layer-wise cosine-scaled aggregation (`aggregate`, `layer_scales`)
+  fedca.py     FedCA's dictionary (`dictionary_entries`, `update_dictionary`, `select_negatives`), its
+               two dictionary-contrastive losses (`code_dictionary_loss`, `dictionary_nt_xent`) and
+               the alignment loss (`alignment_loss`)
+  orchestra.py Orchestra's equal-size clustering: `sinkhorn_knopp`, the memory bank (`memory_push`,
+               `memory_fill`), `local_clustering`, `global_clustering`, the clustering loss
+               (`cluster_loss`) and the rotations of its degeneracy term (`rotate90`)
 
 Prototypes (representation sharing) arrive with their method.
 """

@@ -1,6 +1,8 @@
-"""The algorithm registry: every registered name builds, validates its defaults, runs a round and
-refuses an unknown key in its block; a user's own algorithm (configs/examples/custom_algorithm.py)
-registers from its own file and computes FedSimCLR exactly at mu = 0."""
+"""The algorithm registry: every registered name builds, validates its defaults, runs a round (in
+bfloat16, issue 29) and refuses an unknown key in its block; a user's own algorithm
+(configs/examples/custom_algorithm.py) registers from its own file and computes FedSimCLR exactly at
+mu = 0."""
+import collections
 import importlib.util
 import json
 import pathlib
@@ -14,6 +16,7 @@ from fedjax_ssl import algorithms, configuration, experiment
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
+from tests import dtypes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -28,6 +31,9 @@ NEEDS = {
     # Their divergence is measured on convolution kernels.
     'fedu': dict(encoder='hetero_cnn'),
     'fedema': dict(encoder='hetero_cnn'),
+    # Its cluster counts fit 2 participants x 4 local centroids and a bank of 32 (one batch).
+    'orchestra': {'orchestra.global_clusters': 8, 'orchestra.local_clusters': 4,
+                  'orchestra.memory_size': 32, 'orchestra.projector_dim': 16},
 }
 
 
@@ -72,7 +78,7 @@ def _one_round(config):
 
 def test_registry_lists_the_built_in_algorithms():
   assert {'fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare',
-          'fd', 'independent', 'feddecorr', 'ldawa', 'fedx'} <= set(algorithms.names())
+          'fd', 'independent', 'feddecorr', 'ldawa', 'fedx', 'orchestra', 'fedca'} <= set(algorithms.names())
   for name in algorithms.names():
     assert name in experiment.default_config(), name  # every algorithm has its config block
 
@@ -80,24 +86,46 @@ def test_registry_lists_the_built_in_algorithms():
 @pytest.mark.slow
 @pytest.mark.parametrize('name', ['fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc',
                                   'hetero_ssfl', 'repshare', 'fd', 'independent', 'feddecorr',
-                                  'ldawa', 'fedx'])
-def test_every_registered_algorithm_builds_validates_and_runs_a_round(name):
+                                  'ldawa', 'fedx', 'orchestra', 'fedca'])
+def test_every_registered_algorithm_builds_validates_and_runs_a_bf16_round(name):
+  """One round per algorithm, in bfloat16 (issue 29: every algorithm runs under mixed precision;
+  float32, the default, is what each algorithm's own tests run): the local training contracts in
+  bf16, the whole state stays float32 and finite, evaluation's features are float32."""
   assert set(algorithms.names()) - {'fedprox_simclr'} == set(NEEDS) | {
-      'fedavg', 'fedu2', 'fedsc', 'independent', 'feddecorr', 'ldawa', 'fedx'}, (
+      'fedavg', 'fedu2', 'fedsc', 'independent', 'feddecorr', 'ldawa', 'fedx', 'fedca'}, (
           'a new registered algorithm: add it to this sweep (and to NEEDS if it needs keys)')
-  config = _small_config(name)
+  config = _small_config(name, precision='bfloat16')
   algorithms.registry.validate(config)  # its block's defaults pass its own checks
-  algo, state, metrics = _one_round(config)
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  init_key, run_key = experiment.run_keys(config)
+  state = rd.init_state(algo, init_key, config.num_clients)
+  step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
+  key = rng.round_key(run_key, 0)
+  traced = step.trace(state, fed_data, key)  # traced once: inspected, then compiled and run
+  trained = collections.Counter(dtypes.contractions(traced.jaxpr.jaxpr))
+  assert trained[('dot_general', ('bfloat16', 'bfloat16'))] > 0, trained  # the local training
+  state, metrics = jax.device_get(traced.lower().compile()(state, fed_data, key))
   assert np.isfinite(metrics['loss'])  # FedSC's spectral contrastive loss may be negative
   assert int(state.round) == 1
   assert metrics['bytes_up'] >= 0 and metrics['bytes_down'] >= 0  # independent training sends 0
   leaves = jax.tree_util.tree_leaves((state.server, state.clients))
   assert all(np.all(np.isfinite(np.asarray(a))) for a in leaves if jnp.issubdtype(a.dtype, jnp.floating))
+  # Parameters, optimizer state, BN statistics, EMA targets and the server: float32 throughout.
+  assert dtypes.float_dtypes((state.clients, state.server)) == {'float32'}
+  h, w, c = dataset.train_x.shape[1:]
+  for apply, variables in dtypes.encoder_applies(algo, state):
+    closed = jax.make_jaxpr(apply)(variables, jnp.zeros((2, h, w, c), jnp.float32))
+    found = set(dtypes.contractions(closed.jaxpr))
+    assert found and all(d == ('bfloat16', 'bfloat16') for _, d in found), found
+    assert closed.out_avals[0].dtype == jnp.float32  # evaluation's features
 
 
 @pytest.mark.parametrize('name', ['fedavg', 'centralized', 'fedu', 'fedema', 'fedu2', 'fedsc',
                                   'hetero_ssfl', 'repshare', 'fd', 'independent', 'feddecorr',
-                                  'ldawa', 'fedx'])
+                                  'ldawa', 'fedx', 'orchestra', 'fedca'])
 def test_unknown_key_in_an_algorithm_block_is_refused_with_the_valid_keys(name):
   config = _small_config(name)
   config[name].not_a_key = 1

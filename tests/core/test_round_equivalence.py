@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import fedavg, fedema, fedsc, fedu, fedu2, independent, ssl_client
+from fedjax_ssl.algorithms import (fedavg, feddecorr, fedema, fedsc, fedu, fedu2, fedx, independent,
+                                   ldawa, ssl_client)
 from fedjax_ssl.core import baselines, optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import FedData
 from fedjax_ssl.ops import uot
 from tests import reference
+from tests.ops.test_ldawa import np_ldawa
 
 NUM_CLIENTS = 6
 SIZES = (18, 5, 28, 12, 22, 16)   # batch 8: 2, 1 (wrapped), 3, 1, 2, 2 steps per epoch
@@ -103,6 +105,13 @@ ALGOS = {
                                    alpha_schedule='q'),
     'fedsc_late_ragged': lambda: fedsc.make(_spec('sc'), num_rounds=10, share_start=1,
                                             calr_views=2, calr_batch=16, model_weights='data'),
+    # Issue 27's baselines: a loss term on the backbone features (FedDecorr), the server's
+    # cosine-scaled mean (L-DAWA, uniform weights as released) and per-client anchors that persist
+    # across rounds with a frozen global model in the step (FedX).
+    'feddecorr_simsiam': lambda **kw: feddecorr.make(_spec('simsiam'), beta=0.1, **kw),
+    'ldawa_byol': lambda **kw: ldawa.make(_spec('byol'), **kw),
+    'fedx_simclr': lambda **kw: fedx.make(
+        fedx.with_predictor(_spec('simclr'), models.MLPHead(8, 5)), batch_size=BATCH, **kw),
 }
 
 # Algorithms trained with drop_last=False (the ragged last batch).
@@ -121,6 +130,8 @@ REFERENCE_AGGREGATES = {
         server, model=reference.numpy_weighted_mean(payloads, np.full(len(weights), 1 / len(weights)))),
     'fedsc_late_ragged': lambda server, payloads, weights: dict(
         server, model=reference.numpy_weighted_mean(payloads, weights)),
+    'ldawa_byol': lambda server, payloads, weights: np_ldawa(
+        payloads, server, np.full(len(weights), 1 / len(weights))),
 }
 
 # FedSC's pre-round uploads and per-participant message, written out independently (on a client
@@ -149,7 +160,8 @@ def _round_cfg(strategy, m, chunk=2, drop_last=True, client_state='device', vmap
 # Stateless algorithms (persist/restore: only what survives a round is stored per client). The
 # reference loop runs their stateful twin (`stateless=False`: every client's whole state stored, as
 # the engine did before stateless clients), so the equivalence shows they compute the same numbers.
-STATELESS = ('fedavg_supervised', 'fedavg_supervised_adam', 'fedbyol', 'fedbyol_reset_target', 'fedsimclr', 'fedsimsiam')
+STATELESS = ('fedavg_supervised', 'fedavg_supervised_adam', 'fedbyol', 'fedbyol_reset_target', 'fedsimclr', 'fedsimsiam',
+             'feddecorr_simsiam', 'ldawa_byol', 'fedx_simclr')
 
 
 @functools.lru_cache(maxsize=None)

@@ -59,3 +59,48 @@ def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation
   # batch 8); one shared view leaves about half.
   assert 0.15e9 < flip < 0.3e9, flip
   np.testing.assert_allclose(none / flip, 0.5, atol=0.03)
+
+
+@pytest.mark.slow
+def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env.pop('XLA_FLAGS', None)
+  subprocess.run(
+      [sys.executable, '-m', 'experiments.benchmark', f'--out={out}', '--models=small_cnn',
+       '--clients=2', '--local_steps=1', '--batch_size=8', '--repeats=1', '--augmentations=flip',
+       '--variants=map', '--notorch', '--precisions=float32,bfloat16', '--peak_tflops=0.5'],
+      cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+  (row,) = json.loads(out.read_text())['rows']
+  res = row['results']
+  assert set(res) == {'map', 'map/bfloat16'}
+  assert (res['map']['precision'], res['map/bfloat16']['precision']) == ('float32', 'bfloat16')
+  for r in res.values():
+    np.testing.assert_allclose(r['mfu'], r['gflops'] / 500.0)  # one peak for both precisions
+  # The same model FLOPs at both precisions (counted in float32).
+  f32, bf16 = res['map'], res['map/bfloat16']
+  np.testing.assert_allclose(bf16['gflops'] * bf16['seconds_per_round'],
+                             f32['gflops'] * f32['seconds_per_round'], rtol=1e-9)
+  np.testing.assert_allclose(bf16['speedup_vs_float32'],
+                             f32['seconds_per_round'] / bf16['seconds_per_round'])
+  # One local step from the same initial model: the round's loss is that step's, before its update,
+  # so it differs by the bf16 forward's rounding alone: relative errors of u = 2^-8 per operation,
+  # averaged over the batch's cosines (tests/models/test_precision.py derives ~u / 4 for its
+  # NT-Xent step). Bound u.
+  np.testing.assert_allclose(bf16['loss'], f32['loss'], rtol=2 ** -8)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--precisions=float16'], "--precisions = 'float16' is invalid: 'float16' is not one of "
+                               "['float32', 'bfloat16']"),
+    (['--precisions=float32,bfloat16', '--peak_tflops=67,989,1'],
+     "--peak_tflops = '67,989,1' is invalid: give one value, or one per --precisions entry (2)"),
+    (['--peak_tflops=0'], "--peak_tflops = '0' is invalid: must be numbers > 0 (TFLOP/s)"),
+], ids=['precision', 'peak_count', 'peak_zero'])
+def test_benchmark_refuses_bad_precision_flags_before_compute(args, message, tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run([sys.executable, '-m', 'experiments.benchmark', f'--out={tmp_path}/b.json',
+                         *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == f'error: {message}'
+  assert not (tmp_path / 'b.json').exists()

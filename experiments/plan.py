@@ -1,0 +1,466 @@
+r"""Compile one federated round without data or training: the device memory and FLOPs of a config.
+
+  python -m experiments.plan --config configs/fedu2/paper_cross_device.py
+  python -m experiments.plan --config configs/fedu2/paper_cross_silo.py --json
+  python -m experiments.plan --config configs/quickstart.py --config.num_clients=100 \
+      --device_memory_gb 16
+  python -m experiments.plan --table configs/fedu2/table2.py          # a table's FLOPs and hours
+
+The federated data and the state are built abstractly (`jax.ShapeDtypeStruct`, `jax.eval_shape`)
+from what the dataset's catalog entry knows before loading (`data/info.py`: sizes, image shape,
+classes), so no data is read or downloaded and no parameter is allocated. The round the config
+would run (model, cohort, participants, strategy, client placement) is lowered and compiled, and
+the binary prints:
+
+  * memory per device, from XLA's `compiled.memory_analysis()`: the inputs (the arrays passed to
+    the round; XLA's argument bytes are those it reads: jit prunes an argument the program never
+    reads, such as FedU2's stored states, which `begin` overwrites, but the caller's array is on
+    the device all the same), outputs, temporaries, generated code, the outputs aliased to donated
+    inputs, and the total (inputs + outputs - aliased + temporaries + generated code). With
+    config.client_state = 'host' the device program is the participants' part of the round
+    (`round_step.device_program`): the m participants' stored states, the server and the data; the
+    C stored states stay in host memory. With 'device' it is the whole donated round, the C stored
+    states included.
+  * FLOPs: XLA's count of one local step (`cost_analysis()` of the jitted `local_step` on one
+    batch: forward and backward of both views, augmentation and optimiser update), the expected
+    real local steps of a round (E * max(n_k // B, 1) summed over the clients, times m / C), and
+    their product, `flops_per_round`. XLA's count of the whole compiled round is printed too
+    (`xla_round_flops`), but XLA counts every loop body once (a `while_loop` over 200 steps costs
+    one step), so it is no round total. Server aggregation, `prepare` and uploads computed from the
+    client's data (representation sharing's class means, Hetero-SSFL's RAD features) are left out
+    of `flops_per_round`; loops inside a step (FUR's 100 UOT iterations) count once.
+  * whether the total fits `--device_memory_gb` times `--memory_fraction` (0.75: the share of the
+    GPU that JAX's allocator preallocates by default, XLA_PYTHON_CLIENT_MEM_FRACTION).
+
+Run on a CPU, the numbers are those of the CPU compile of the GPU program (settings 'auto' are
+resolved as on `--target`, a GPU by default): XLA:CPU fuses and schedules differently, so its
+temporaries are an approximation of the GPU's (inputs, outputs and aliases are exact), and cuDNN
+workspace is not in them. Evaluation (kNN monitor, probe, fine-tuning) is not planned.
+
+Client sizes follow the configured partition over balanced labels (every class N / classes
+images): exact for CIFAR-10/100 and Fashion-MNIST, whose training splits are balanced, an
+approximation for MNIST and SVHN and where a public set is carved out at random.
+
+`--table FILE` (with `--scale`, `--seeds`) estimates a whole table instead: every run's local steps
+(rounds x real steps per round, as above) times the FLOPs of one step, compiled once for each
+(algorithm and which parts of its block are on, method, encoders, batch, augmentation, heads, public
+set, image shape), and the hours at `--tflops`. An estimate, not a measurement.
+
+`--json` prints exactly one JSON object (a round: at least `bytes_per_device`, `flops_per_round`,
+`fits`). Exit status: 0 when the round fits (always for --table), 2 when it does not (one line on
+stderr with the numbers), 1 for a refused config or flag (e.g. a device memory <= 0).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from ml_collections import config_flags
+
+from fedjax_ssl import algorithms, configuration, experiment, reproduce
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.core import local, strategies
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.algorithm import Algorithm, restore_client
+from fedjax_ssl.core.state import FedState
+from fedjax_ssl.data import partition
+from fedjax_ssl.data.info import DatasetInfo
+from fedjax_ssl.data.types import DataInfo, FedData
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
+                                          lock_config=True)
+_DEVICE_MEMORY_GB = flags.DEFINE_float('device_memory_gb', 80.0,
+                                       'Memory of one device in GiB (2^30 bytes).')
+_MEMORY_FRACTION = flags.DEFINE_float(
+    'memory_fraction', 0.75, 'Share of the device memory a run may use: 0.75 is what JAX '
+    'preallocates on a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION; pass the value you set).')
+_TARGET = flags.DEFINE_enum('target', 'gpu', ('gpu', 'cpu'),
+                            "The platform the config's 'auto' settings are resolved for "
+                            "(strategy, conv_impl); the compile runs on this machine's backend.")
+_TABLE = flags.DEFINE_string('table', None, 'A table file (configs/<paper>/<table>.py): estimate '
+                             'its FLOPs and hours instead of planning one config.')
+_SCALE = flags.DEFINE_string('scale', 'paper', 'The table scale (--table).')
+_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'The table seeds (--table).')
+_TFLOPS = flags.DEFINE_float('tflops', 18.0, 'Sustained TFLOP/s of the hours estimate (--table).')
+_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the text report.')
+
+EXIT_DOES_NOT_FIT = 2
+GIB = 2**30
+# Normalisation statistics of the abstract data: the plan computes nothing, any value compiles the
+# same program.
+_STATS = 0.5
+
+
+class Setup(NamedTuple):
+  """A config's round, abstractly: `config` with its 'auto' settings resolved, the dataset's info,
+  the clients' sizes int64 [C], the abstract FedData and FedState, the built algorithm."""
+  config: ml_collections.ConfigDict
+  info: DatasetInfo
+  sizes: np.ndarray
+  data: FedData
+  algo: Algorithm
+  state: FedState
+
+
+def resolve_for(config: ml_collections.ConfigDict, target: str) -> ml_collections.ConfigDict:
+  """`config` with strategy and conv_impl 'auto' resolved as on `target` ('gpu' | 'cpu')."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  if config.strategy == 'auto':
+    config.strategy = strategies.default_strategy(target)
+  if config.conv_impl == 'auto':
+    config.conv_impl = 'im2col' if target == 'cpu' else 'xla'
+  return config
+
+
+def balanced_labels(num: int, num_classes: int) -> np.ndarray:
+  """int32 [num]: labels with every class equally often (to one), as in CIFAR's splits."""
+  return (np.arange(num) % num_classes).astype(np.int32)
+
+
+def client_sizes(config: ml_collections.ConfigDict, info: DatasetInfo) -> np.ndarray:
+  """int64 [C]: each client's examples under the configured partition of balanced labels (the
+  same draws as `partition.build_fed_data`; only the class counts enter them)."""
+  labels = balanced_labels(config.train_size or info.num_train, info.num_classes)
+  _, remaining = partition.carve_public(labels, config.public_size, config.seed)
+  kw = {'alpha': config.alpha} if config.partition == 'dirichlet' else (
+      {'classes_per_client': config.classes_per_client} if config.partition == 'classes' else {})
+  parts = partition.partition(labels[remaining], config.num_clients, config.partition,
+                              seed=config.seed, num_classes=info.num_classes, **kw)
+  return np.array([len(p) for p in parts], np.int64)
+
+
+def abstract_fed_data(sizes: np.ndarray, info: DatasetInfo, public_size: int) -> FedData:
+  """`FedData` of `jax.ShapeDtypeStruct` leaves for clients of `sizes` (n_max static, as loaded)."""
+  rows = max(int(sizes.sum()), 1)
+  image = tuple(info.image_shape)
+  return FedData(
+      x=jax.ShapeDtypeStruct((rows,) + image, jnp.uint8),
+      y=jax.ShapeDtypeStruct((rows,), jnp.int32),
+      n=jax.ShapeDtypeStruct(sizes.shape, jnp.int32),
+      offsets=jax.ShapeDtypeStruct(sizes.shape, jnp.int32),
+      n_max=max(int(sizes.max()), 1),
+      public_x=jax.ShapeDtypeStruct((public_size,) + image, jnp.uint8) if public_size else None)
+
+
+def _key() -> jax.ShapeDtypeStruct:
+  return jax.eval_shape(lambda: jax.random.PRNGKey(0))
+
+
+def abstract_state(algo: Algorithm, num_clients: int) -> FedState:
+  """The initial `FedState` as `jax.ShapeDtypeStruct` leaves (nothing allocated)."""
+  clients, server = jax.eval_shape(lambda k: algo.init(k, num_clients), _key())
+  return FedState(clients=clients, server=server, round=jax.ShapeDtypeStruct((), jnp.int32))
+
+
+def _data_info(info: DatasetInfo, sizes: np.ndarray) -> DataInfo:
+  """What an algorithm's build reads of the data, without the data."""
+  ch = info.image_shape[-1]
+  return DataInfo(info.name, tuple(info.image_shape), info.num_classes, (_STATS,) * ch,
+                  (_STATS,) * ch, sizes)
+
+
+def setup(config: ml_collections.ConfigDict, target: str = 'gpu') -> Setup:
+  """The abstract round of `config` as it would run on `target`; ConfigError for a refused config
+  or a dataset whose sizes cannot be known before loading."""
+  config = resolve_for(config, target)
+  experiment.validate_config(config)
+  info = configuration.dataset_info(config)
+  if info is None:
+    raise cv.ConfigError(f'config.dataset = {config.dataset!r}: its sizes cannot be known without '
+                         'loading it (its files are missing or unreadable), so no plan')
+  sizes = client_sizes(config, info)
+  data = abstract_fed_data(sizes, info, config.public_size)
+  algo = algorithms.registry.build(config, _data_info(info, sizes))
+  return Setup(config, info, sizes, data, algo, abstract_state(algo, config.num_clients))
+
+
+def _rows(tree, count: int):
+  """The abstract `tree` with its leading (client) axis set to `count`."""
+  return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((count,) + a.shape[1:], a.dtype),
+                                tree)
+
+
+def _tree_bytes(tree) -> int:
+  return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+             for a in jax.tree_util.tree_leaves(tree))
+
+
+def compile_round(s: Setup) -> Tuple[Any, int, str]:
+  """(XLA's compiled round program, bytes of the arrays passed to it, what it holds on the device).
+
+  'device': the whole round, state donated. 'host': the participants' part, on the m stored states
+  the host copies in (`round_step.device_program`)."""
+  config, algo = s.config, s.algo
+  m, num_clients = config.clients_per_round, config.num_clients
+  step = rd.make_round_step(algo, experiment.round_config(config), num_clients)
+  if config.client_state == 'device':
+    args = (s.state, s.data, _key())
+    what = f'the whole round; the {num_clients} clients\' stored states on the device, donated'
+    return step.lower(*args).compile(), _tree_bytes(args), what
+  sel = tuple(_rows(stack, min(m, len(c.members))) for stack, c in
+              zip(rd.cohort_stacks(algo, s.state.clients), rd.cohorts(algo, num_clients)))
+  args = (s.state.replace(clients=None), sel, s.data, _key())
+  what = (f'the participants\' part of the round: {m} stored states copied in from host memory '
+          f'(the {num_clients} clients\' stored states stay on the host)')
+  return step.device_program.lower(*args).compile(), _tree_bytes(args), what
+
+
+def memory(compiled, input_bytes: int) -> Dict[str, int]:
+  """Bytes of XLA's memory analysis of `compiled`, and their total on the device (module
+  docstring: the inputs count whole, read or not)."""
+  ma = compiled.memory_analysis()
+  out = {'argument_bytes': int(ma.argument_size_in_bytes),
+         'input_bytes': int(input_bytes),
+         'output_bytes': int(ma.output_size_in_bytes),
+         'temp_bytes': int(ma.temp_size_in_bytes),
+         'generated_code_bytes': int(ma.generated_code_size_in_bytes),
+         'alias_bytes': int(ma.alias_size_in_bytes)}
+  out['total_bytes'] = (max(out['input_bytes'], out['argument_bytes']) + out['output_bytes'] -
+                        out['alias_bytes'] + out['temp_bytes'] + out['generated_code_bytes'])
+  return out
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0))
+
+
+def step_flops(s: Setup, cohort: rd.Cohort, stack) -> float:
+  """XLA's FLOPs of one local step of a participant of `cohort` on one batch (forward and backward,
+  augmentation, optimiser update), on the state `begin` gives it."""
+  algo, ca, cid = s.algo, cohort.client, cohort.members[0]
+
+  def started(stack, server, data, key):
+    msg = rd.round_message(algo, server, data)
+    if algo.personalize is not None:
+      msg = algo.personalize(msg, jnp.int32(cid))
+    stored = jax.tree_util.tree_map(lambda a: a[0], stack)
+    return ca.begin(restore_client(ca, stored, msg), msg, key), msg
+
+  client, msg = jax.eval_shape(started, stack, s.state.server, s.data, _key())
+  b = s.config.batch_size
+  batch = {'x': jax.ShapeDtypeStruct((b,) + s.data.x.shape[1:], s.data.x.dtype),
+           'y': jax.ShapeDtypeStruct((b,), jnp.int32)}
+  if not s.config.drop_last:
+    batch['mask'] = jax.ShapeDtypeStruct((b,), jnp.bool_)
+  lr = jax.ShapeDtypeStruct((), jnp.float32)
+  return _flops(jax.jit(ca.local_step).lower(client, batch, _key(), msg, lr).compile())
+
+
+def real_steps(sizes: np.ndarray, config: ml_collections.ConfigDict) -> float:
+  """Expected real local steps of one round over clients of `sizes` (a random m of C take part)."""
+  per_epoch = local.steps_per_epoch(jnp.asarray(sizes), config.batch_size, config.drop_last)
+  total = config.local_epochs * float(np.sum(np.asarray(per_epoch)))
+  return total * config.clients_per_round / config.num_clients
+
+
+def cohort_steps(algo: Algorithm, sizes: np.ndarray, config: ml_collections.ConfigDict
+                 ) -> List[float]:
+  """Expected real local steps of one round, per cohort (one entry for a plain algorithm)."""
+  return [real_steps(sizes[np.asarray(c.members)], config)
+          for c in rd.cohorts(algo, config.num_clients)]
+
+
+def cohort_step_flops(s: Setup) -> List[float]:
+  """FLOPs of one local step, per cohort."""
+  return [step_flops(s, c, stack) for c, stack in
+          zip(rd.cohorts(s.algo, s.config.num_clients), rd.cohort_stacks(s.algo, s.state.clients))]
+
+
+def check_memory_flags(device_memory_gb: float, memory_fraction: float) -> None:
+  if not device_memory_gb > 0:
+    raise cv.ConfigError(f'--device_memory_gb = {device_memory_gb:g} is invalid: must be > 0 '
+                         '(the memory of one device in GiB)')
+  if not 0 < memory_fraction <= 1:
+    raise cv.ConfigError(f'--memory_fraction = {memory_fraction:g} is invalid: must be in (0, 1]')
+
+
+def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
+         memory_fraction: float = 0.75, target: str = 'gpu') -> Dict[str, Any]:
+  """Compiles one round of `config` abstractly; returns its memory, FLOPs and whether it fits.
+
+  Raises cv.ConfigError for a refused config, device memory or fraction.
+  """
+  check_memory_flags(device_memory_gb, memory_fraction)
+  s = setup(config, target)
+  config = s.config
+  compiled, input_bytes, holds = compile_round(s)
+  mem = memory(compiled, input_bytes)
+  per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, config)
+  usable = device_memory_gb * memory_fraction * GIB
+  return {
+      'algorithm': s.algo.name, 'ssl_method': config.ssl_method, 'dataset': s.info.name,
+      'image_shape': list(s.info.image_shape),
+      'encoders': [e for _, e in algorithms.registry.encoders(config)],
+      'num_clients': config.num_clients, 'clients_per_round': config.clients_per_round,
+      'local_epochs': config.local_epochs, 'batch_size': config.batch_size,
+      'rounds': config.rounds,
+      'strategy': config.strategy, 'map_chunk_size': config.map_chunk_size,
+      'client_state': config.client_state, 'conv_impl': config.conv_impl,
+      'target': target, 'backend': jax.default_backend(), 'device_program': holds,
+      'stored_client_bytes': _tree_bytes(s.state.clients) // config.num_clients,
+      **mem,
+      'bytes_per_device': mem['total_bytes'],
+      'flops_per_step': per_step[0] if len(per_step) == 1 else per_step,
+      'steps_per_round': float(sum(steps)),
+      'flops_per_round': float(sum(f * n for f, n in zip(per_step, steps))),
+      'xla_round_flops': _flops(compiled),
+      'device_memory_bytes': int(device_memory_gb * GIB), 'memory_fraction': memory_fraction,
+      'usable_bytes': int(usable), 'fits': mem['total_bytes'] <= usable,
+  }
+
+
+def _variant(config: ml_collections.ConfigDict) -> str:
+  """Which parts of the algorithm's block are on: its strings and bools, and its numbers that are 0
+  (Hetero-SSFL at mu = 0 trains without the CKA term on the RAD)."""
+  block = config[config.algorithm].to_dict() if config.algorithm in config else {}
+  return ','.join(f'{k}={v}' for k, v in sorted(block.items())
+                  if isinstance(v, (str, bool)) or (isinstance(v, (int, float)) and v == 0))
+
+
+def step_group(config: ml_collections.ConfigDict) -> str:
+  """The runs of a table counted at one step cost: same encoders, method, algorithm and variant,
+  batch, augmentation, heads, public set and image shape."""
+  info = configuration.dataset_info(config)
+  encoders = ','.join(e for _, e in algorithms.registry.encoders(config))
+  variant = _variant(config)
+  return (f'{config.algorithm}{f" ({variant})" if variant else ""} / {config.ssl_method}, '
+          f'{encoders}, heads {config.heads}, B {config.batch_size}, {config.augmentation}, '
+          f'public {config.public_size}, {"x".join(map(str, info.image_shape))}')
+
+
+def table_estimate(path: str, scale: str = 'paper', seeds: Sequence[int] = (0, 1, 2),
+                   tflops: float = 18.0, target: str = 'gpu') -> Dict[str, Any]:
+  """FLOPs and hours of every run of a table (module docstring: one step compiled per group)."""
+  if not tflops > 0:
+    raise cv.ConfigError(f'--tflops = {tflops:g} is invalid: must be > 0')
+  table = reproduce.load_table(path, scale)
+  planned = reproduce.plan_runs(table, seeds)
+  runs = [r for r in planned if r.config is not None]
+  groups: Dict[str, Dict[str, Any]] = {}
+  total = 0.0
+  for run in runs:
+    group = groups.setdefault(step_group(run.config), {'from': run.name, 'runs': 0, 'flops': 0.0})
+    if 'flops_per_step' not in group:  # the group's first run: its step compiled
+      s = setup(run.config, target)
+      group['flops_per_step'] = cohort_step_flops(s)
+    config = resolve_for(run.config, target)
+    info = configuration.dataset_info(config)
+    sizes = client_sizes(config, info)
+    if algorithms.get(config.algorithm).encoders is None:  # one architecture: one cohort
+      steps = [real_steps(sizes, config)]
+    else:  # several: built, for its cohorts
+      steps = cohort_steps(algorithms.registry.build(config, _data_info(info, sizes)), sizes,
+                           config)
+    flops = config.rounds * sum(f * n for f, n in zip(group['flops_per_step'], steps))
+    group['runs'] += 1
+    group['flops'] += flops
+    total += flops
+  return {'table': table.name, 'scale': scale, 'seeds': list(seeds), 'runs': len(runs),
+          'invalid_runs': [r.name for r in planned if r.config is None], 'groups': groups,
+          'flops_total': total, 'tflops': tflops,
+          'hours': total / (tflops * 1e12) / 3600}
+
+
+def _gib(b: float) -> str:
+  return f'{b / GIB:.2f} GiB' if b >= 2**30 else f'{b / 2**20:.1f} MiB'
+
+
+def _flop_text(f: float) -> str:
+  for unit, scale in (('EFLOP', 1e18), ('PFLOP', 1e15), ('TFLOP', 1e12), ('GFLOP', 1e9),
+                      ('MFLOP', 1e6)):
+    if f >= scale:
+      return f'{f / scale:.3g} {unit}'
+  return f'{f:.3g} FLOP'
+
+
+def not_fit_message(p: Dict[str, Any]) -> str:
+  """The one line of a round that does not fit."""
+  return (f'does not fit: {_gib(p["bytes_per_device"])} per device > {_gib(p["usable_bytes"])} '
+          f'usable ({p["device_memory_bytes"] / GIB:g} GiB x {p["memory_fraction"]:g}); try '
+          "strategy 'map' with a smaller map_chunk_size, config.client_state='host', or fewer "
+          'clients_per_round')
+
+
+def text(p: Dict[str, Any]) -> str:
+  """The report of one round, for a person."""
+  per_step = p['flops_per_step']
+  per_step = (_flop_text(per_step) if not isinstance(per_step, list) else
+              ', '.join(_flop_text(f) for f in per_step) + ' (per cohort)')
+  chunk = f' (chunk {p["map_chunk_size"]})' if p['strategy'] != 'vmap' else ''
+  approx = (', an approximation of the GPU program\'s temporaries'
+            if p['backend'] != 'gpu' and p['target'] == 'gpu' else '')
+  lines = [
+      f'{p["algorithm"]} / {p["ssl_method"]}, {", ".join(p["encoders"])} on {p["dataset"]} '
+      f'({"x".join(map(str, p["image_shape"]))}; shapes only, no data read)',
+      f'{p["num_clients"]} clients, {p["clients_per_round"]} per round, E = {p["local_epochs"]}, '
+      f'B = {p["batch_size"]}; strategy {p["strategy"]!r}{chunk}, client_state '
+      f'{p["client_state"]!r}, conv {p["conv_impl"]!r}; stored state '
+      f'{_gib(p["stored_client_bytes"])} per client',
+      f'device program: {p["device_program"]}',
+      f'memory per device (XLA memory_analysis of the {p["backend"]} compile{approx}):',
+  ]
+  for label, key in (('inputs', 'input_bytes'), ('  read by XLA', 'argument_bytes'),
+                     ('outputs', 'output_bytes'), ('temporaries', 'temp_bytes'),
+                     ('generated code', 'generated_code_bytes'),
+                     ('aliased (donated)', 'alias_bytes'), ('total', 'total_bytes')):
+    sign = '-' if key == 'alias_bytes' else ' '
+    lines.append(f'  {label:18s} {sign}{_gib(p[key]):>12s}')
+  lines += [
+      f'FLOPs: {per_step} per local step (one batch, forward + backward, XLA cost analysis); '
+      f'{p["steps_per_round"]:,.0f} real local steps per round (expected) -> '
+      f'{_flop_text(p["flops_per_round"])} per round, '
+      f'{_flop_text(p["flops_per_round"] * p["rounds"])} in {p["rounds"]} rounds',
+      f'  (XLA\'s count of the compiled round, every loop body once: '
+      f'{_flop_text(p["xla_round_flops"])})',
+      (f'fits: {_gib(p["bytes_per_device"])} <= {_gib(p["usable_bytes"])} usable '
+       f'({p["device_memory_bytes"] / GIB:g} GiB x {p["memory_fraction"]:g})' if p['fits'] else
+       not_fit_message(p)),
+  ]
+  return '\n'.join(lines)
+
+
+def table_text(e: Dict[str, Any]) -> str:
+  """The report of a table estimate, for a person."""
+  lines = [f'{e["table"]} ({e["scale"]} scale): {e["runs"]} runs over seeds '
+           f'{",".join(map(str, e["seeds"]))}' +
+           (f' ({len(e["invalid_runs"])} invalid, not counted)' if e['invalid_runs'] else '')]
+  for name, g in e['groups'].items():
+    per_step = ', '.join(_flop_text(f) for f in g['flops_per_step'])
+    lines.append(f'  {name}: {g["runs"]} runs, {per_step} per step (of {g["from"]}), '
+                 f'{_flop_text(g["flops"])}')
+  lines.append(f'total {_flop_text(e["flops_total"])}: {e["hours"]:.1f} h at '
+               f'{e["tflops"]:g} TFLOP/s (an estimate, not a measurement)')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if (_CONFIG.value is None) == (_TABLE.value is None):
+    raise cv.ConfigError('give one of --config (plan a round) and --table (estimate a table)')
+  if _TABLE.value is not None:
+    try:
+      seeds = [int(s) for s in _SEEDS.value]
+    except ValueError:
+      raise cv.ConfigError(f'--seeds = {",".join(_SEEDS.value)} is invalid: must be integers '
+                           '(e.g. 0,1,2)') from None
+    e = table_estimate(_TABLE.value, _SCALE.value, seeds, _TFLOPS.value, _TARGET.value)
+    print(json.dumps(e, sort_keys=True) if _JSON.value else table_text(e), flush=True)
+    return
+  p = plan(_CONFIG.value, _DEVICE_MEMORY_GB.value, _MEMORY_FRACTION.value, _TARGET.value)
+  print(json.dumps(p, sort_keys=True) if _JSON.value else text(p), flush=True)
+  if not p['fits']:
+    print(f'error: {not_fit_message(p)}', file=sys.stderr)
+    sys.exit(EXIT_DOES_NOT_FIT)
+
+
+if __name__ == '__main__':
+  cv.run(main, reference=experiment.default_config)

@@ -1,0 +1,252 @@
+"""Every table's paper scale runs, shrunk: each cell's config (and the paper train configs, e.g.
+configs/fedu2/paper_cross_device.py), cut to a tiny run on synthetic images of the paper's shape,
+validates and builds. Rounds: the cross-silo FedU2 config runs one round of real ResNet-18 clients
+(batch 2, 32x32x3); every other paper encoder's round is traced abstractly (compiling a ResNet-34
+round takes minutes on 2 cores); every algorithm and SSL method of the tables, and the cross-device
+config's own settings, run one round on a small stand-in CNN.
+
+What a shrunk cell keeps: algorithm and its block, method, encoder(s), heads, augmentation,
+optimiser, clients, participants, strategy, client placement, public set. What it cuts: 2 images
+per client (one step of batch 2), 1 round, 1 local epoch, an IID split (the partition is a
+host-side numpy step, tested in tests/data), no evaluation, and the block keys sized by the data
+(BLOCK_SHRINK)."""
+import collections
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+from typing import Dict, List, Tuple
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments import plan
+from fedjax_ssl import algorithms, configuration, experiment, reproduce
+from fedjax_ssl.core import rng
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.data import sources
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+_PAPER_FILES = sorted(p for p in REPO.glob('configs/*/*.py')
+                      if p.name not in ('__init__.py', 'common.py') and p.parent.name != 'examples')
+# Table files define get_table; the paper train configs beside them (e.g.
+# configs/fedu2/paper_cross_device.py) define get_config.
+TABLES = [p for p in _PAPER_FILES if 'def get_table(' in p.read_text()]
+TRAIN_CONFIGS = [p for p in _PAPER_FILES if 'def get_config(' in p.read_text()]
+STAND_IN = dict(encoder='small_cnn', heads='custom', proj_hidden=16, proj_out=8, pred_hidden=16,
+                pred_out=8)
+# An algorithm block's keys sized by the data or the rounds, cut with them (block -> overrides):
+# the RAD sub-batch must divide the cut RAD; FedSC shares from the first (and only) round, with DP
+# noise but no epsilon target (no sigma meets one with 2 images per client, and calibrating one
+# costs seconds per cell), its DP-CalR forward passes over 2 images (not padded to 256).
+BLOCK_SHRINK = {
+    'hetero_ssfl': lambda b: {'rad_batch': 2 if b.rad_batch else 0},
+    'fedsc': lambda b: dict(share_start=0, share_every=1, calr_batch=2,
+                            **({'sigma': b.sigma or 0.01, 'target_epsilon': 0.0} if b.dp else {})),
+}
+PUBLIC_SIZE = 4
+MAX_CLIENTS = 10  # of a stand-in round
+# Stand-ins for the architectures of a mix (Hetero-SSFL), in order of first appearance.
+SMALL_ENCODERS = ('small_cnn', 'mlp', 'hetero_cnn', 'cross_device_cnn')
+
+
+def _module(path: pathlib.Path):
+  spec = importlib.util.spec_from_file_location(f'_paper_{path.parent.name}_{path.stem}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _has_paper_scale(path: pathlib.Path) -> bool:
+  return 'paper' in getattr(_module(path), 'SCALES', reproduce.DEFAULT_TABLE_SCALES)
+
+
+@functools.lru_cache(maxsize=None)
+def paper_cells() -> Tuple[Tuple[str, ml_collections.ConfigDict], ...]:
+  """(name, config) of every cell of every table's paper scale and of every paper train config."""
+  cells = []
+  for path in TABLES:
+    table = reproduce.load_table(str(path), 'paper')
+    cells += [(f'{path.parent.name}/{path.stem}:{reproduce.cell_id(r, c)}',
+               reproduce.cell_config(table, r, c, seed=0)) for r, c in table.cells()]
+  cells += [(f'{p.parent.name}/{p.stem}', _module(p).get_config()) for p in TRAIN_CONFIGS]
+  return tuple(cells)
+
+
+def shrink(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The cell as a tiny run: one step of batch 2 per client, one round, no evaluation."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  public = PUBLIC_SIZE if c.public_size else 0
+  c.update(dict(rounds=1, local_epochs=1, batch_size=2, partition='iid', public_size=public,
+                train_size=2 * c.num_clients + public, eval_every=0, knn_k=2, probe='adam',
+                probe_epochs=1, probe_std_epochs=0, finetune='none', checkpoint_every=1))
+  for block, cut in BLOCK_SHRINK.items():
+    c[block].update(cut(c[block]))
+  return c
+
+
+def synthetic_like(config: ml_collections.ConfigDict):
+  """Synthetic images of the configured dataset's shape and classes, `train_size` of them."""
+  info = configuration.dataset_info(config)
+  ds = sources.make_synthetic(config.seed, num_train=config.train_size, num_test=2,
+                              image_shape=info.image_shape, num_classes=info.num_classes)
+  return dataclasses.replace(ds, name=info.name)
+
+
+def model_key(config: ml_collections.ConfigDict) -> Tuple[Tuple[str, ...], Tuple[int, ...]]:
+  """(encoders, image shape) of a config: what a paper-encoder round covers."""
+  encoders = tuple(sorted({e for _, e in algorithms.registry.encoders(config)}))
+  return encoders, tuple(configuration.dataset_info(config).image_shape)
+
+
+def _parts_on(config: ml_collections.ConfigDict) -> int:
+  """How many parts of the algorithm's block are switched on: True flags, non-zero numbers,
+  strings other than 'none' (FedU2 with FUR and EUA counts more than its ablations, FedSC with DP
+  more than without, Hetero-SSFL at mu > 0 more than at mu = 0)."""
+  block = config[config.algorithm].to_dict() if config.algorithm in config else {}
+  return sum(v not in (False, 0, 0.0, 'none', '') for v in block.values()
+             if isinstance(v, (str, bool, int, float)))
+
+
+def round_cells() -> List[Tuple[str, str, ml_collections.ConfigDict]]:
+  """(kind, name, shrunk config) of the cells whose round is checked.
+
+  'run': the paper's cross-silo FedU2-BYOL train config, a real round of ResNet-18 clients.
+  'trace' (the round traced with `jax.eval_shape`, not compiled: a ResNet-34 round takes minutes to
+  compile here): the table cell with the fewest clients (then the most encoders) whenever its
+  encoders and image shape are not all covered yet. 'stand-in' (a real round, config.encoder
+  replaced by a small CNN): the other paper train configs (their own strategy and clients), for
+  each algorithm not yet run its cell with the most parts on (`_parts_on`), then for each SSL method
+  not yet run its first cell; fewest clients first."""
+  train = sorted([(n, c) for n, c in paper_cells() if ':' not in n],
+                 key=lambda nc: nc[1].num_clients)
+  cells = train + sorted([(n, c) for n, c in paper_cells() if ':' in n],
+                         key=lambda nc: (nc[1].num_clients, -len(model_key(nc[1])[0])))
+  seen_encoders, seen_algorithms, seen_methods, chosen = set(), set(), set(), []
+
+  def choose(kind, name, config):
+    chosen.append((kind, name, config))
+    if kind != 'trace':
+      seen_algorithms.add(config.algorithm)
+      seen_methods.add(config.ssl_method)
+
+  choose('run', train[0][0], shrink(train[0][1]))
+  for name, config in train[1:]:  # their own settings (strategy, chunk, clients) run too
+    choose('stand-in', name, _stand_in(config))
+  for name, config in cells:  # train[0] first: its encoders are run, not only traced
+    encoders, shape = model_key(config)
+    if any((e, shape) not in seen_encoders for e in encoders):
+      seen_encoders.update((e, shape) for e in encoders)
+      if name != train[0][0]:
+        choose('trace', name, shrink(config))
+  by_algorithm = collections.defaultdict(list)  # fewest clients, then fewest architectures first
+  for name, config in sorted(cells, key=lambda nc: (nc[1].num_clients, len(model_key(nc[1])[0]))):
+    by_algorithm[config.algorithm].append((name, config))
+  for algorithm, group in by_algorithm.items():
+    if algorithm not in seen_algorithms:
+      name, config = max(group, key=lambda nc: _parts_on(nc[1]))
+      choose('stand-in', name, _stand_in(config))
+  for name, config in cells:
+    if config.ssl_method not in seen_methods:
+      choose('stand-in', name, _stand_in(config))
+  return chosen
+
+
+def _stand_in(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The shrunk config on small encoders: STAND_IN (at most MAX_CLIENTS clients), and a mix of
+  several architectures rewritten onto as many small ones (SMALL_ENCODERS) with the same counts."""
+  small = shrink(config)
+  small.update(STAND_IN)
+  if algorithms.get(config.algorithm).encoders is None and config.num_clients > MAX_CLIENTS:
+    # Fewer clients, full or partial participation as in the cell: a round of 100 small clients
+    # costs half a minute here and exercises nothing 10 do not.
+    m = MAX_CLIENTS if config.clients_per_round == config.num_clients else max(
+        1, config.clients_per_round * MAX_CLIENTS // config.num_clients)
+    small.update(dict(num_clients=MAX_CLIENTS, clients_per_round=m,
+                      train_size=2 * MAX_CLIENTS + small.public_size))
+  if config.algorithm == 'hetero_ssfl' and config.hetero_ssfl.mix:
+    parts = [part.split(':') for part in config.hetero_ssfl.mix.split(',')]
+    names = list(dict.fromkeys(name for name, _ in parts))  # distinct, in order
+    small.hetero_ssfl.mix = ','.join(f'{SMALL_ENCODERS[names.index(name)]}:{count}'
+                                     for name, count in parts)
+  return small
+
+
+def run_one_round(config: ml_collections.ConfigDict) -> Dict[str, float]:
+  """Builds the data, algorithm and state of `config` and runs one round; its metrics."""
+  dataset = synthetic_like(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
+  init_key, run_key = experiment.run_keys(config)
+  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+  _, metrics = step(state, fed_data, rng.round_key(run_key, 0))
+  return {k: float(np.mean(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def trace_one_round(config: ml_collections.ConfigDict) -> Dict[str, jax.ShapeDtypeStruct]:
+  """The round of `config` traced on abstract data and state (experiments.plan's, for a GPU):
+  the shapes of its metrics. Nothing is compiled or computed."""
+  s = plan.setup(config)
+  step = rd.make_round_step(s.algo, experiment.round_config(s.config), s.config.num_clients)
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  new_state, metrics = jax.eval_shape(step, s.state, s.data, key)
+  assert jax.tree_util.tree_structure(new_state) == jax.tree_util.tree_structure(s.state)
+  return metrics
+
+
+def test_every_table_has_a_paper_scale():
+  assert TABLES and all(_has_paper_scale(p) for p in TABLES)
+  assert {p.stem for p in TRAIN_CONFIGS} >= {'paper_cross_device', 'paper_cross_silo'}
+
+
+@pytest.mark.parametrize('index', range(len(TABLES) + 1),
+                         ids=[f'{p.parent.name}/{p.stem}' for p in TABLES] + ['train_configs'])
+def test_every_paper_cell_shrinks_validates_and_builds(index):
+  prefix = (f'{TABLES[index].parent.name}/{TABLES[index].stem}:' if index < len(TABLES) else None)
+  cells = [(n, c) for n, c in paper_cells()
+           if (n.startswith(prefix) if prefix else ':' not in n)]
+  assert cells
+  for name, config in cells:
+    small = shrink(config)
+    experiment.validate_config(small)
+    dataset = synthetic_like(small)
+    fed_data, _ = experiment.build_fed_data(small, dataset)
+    assert experiment.build_algorithm(small, dataset, client_sizes=np.asarray(fed_data.n)), name
+
+
+ROUNDS = round_cells()
+
+
+@pytest.fixture
+def fast_compile():
+  """XLA's cheapest compile for the rounds below (a smoke test runs each program once; compiling
+  dominates), restored afterwards for the other tests of the process."""
+  jax.config.update('jax_disable_most_optimizations', True)
+  yield
+  jax.config.update('jax_disable_most_optimizations', False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('kind,name,config', ROUNDS, ids=[f'{k}:{n}' for k, n, _ in ROUNDS])
+def test_one_round(kind, name, config, fast_compile):
+  del fast_compile
+  if kind == 'trace':
+    assert trace_one_round(config)['loss'].shape == (), name
+    return
+  metrics = run_one_round(config)
+  assert np.isfinite(metrics['loss']), (name, metrics)
+
+
+def test_round_cells_cover_every_encoder_algorithm_and_method():
+  cells = [c for _, c in paper_cells()]
+  encoders = {(e, model_key(c)[1]) for c in cells for e in model_key(c)[0]}
+  checked = {(e, model_key(c)[1]) for kind, _, c in ROUNDS if kind != 'stand-in'
+             for e in model_key(c)[0]}
+  assert encoders == checked
+  ran = [c for kind, _, c in ROUNDS if kind != 'trace']
+  assert {c.algorithm for c in cells} == {c.algorithm for c in ran}
+  assert {c.ssl_method for c in cells} == {c.ssl_method for c in ran}
+  assert ROUNDS[0][:2] == ('run', 'fedu2/paper_cross_silo') and ROUNDS[0][2].encoder == 'resnet18'

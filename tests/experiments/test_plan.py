@@ -1,0 +1,117 @@
+"""experiments.plan on tiny configs: the round's memory adds up, FLOPs per round = FLOPs per step x
+real steps, host-placed client state leaves the C - m stored states off the device, the --json
+object's keys, exit status 2 for a round that does not fit (one line with the numbers), the refusal
+of a device memory <= 0 (exit status 1), and a table's estimate."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments import plan
+from configs import quickstart
+from fedjax_ssl import configuration, reproduce
+from fedjax_ssl.data import partition
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+# A tiny FedU on synthetic 32x32x3 images (sizes known without loading): a stateful algorithm, so
+# the stored states are real arrays, 6 clients of which 2 train, 4 steps of batch 8 each.
+TINY = dict(dataset='synthetic', train_size=192, num_clients=6, clients_per_round=2,
+            partition='iid', algorithm='fedu', ssl_method='byol', encoder='small_cnn',
+            heads='custom', proj_hidden=16, proj_out=8, pred_hidden=16, pred_out=8,
+            augmentation='flip', batch_size=8, local_epochs=1, rounds=3, strategy='map', knn_k=8,
+            probe='adam')
+
+
+def _config(**overrides):
+  """configs/quickstart.py with TINY, as the binary's command line below builds it."""
+  c = quickstart.get_config()
+  c.update(dict(TINY, **overrides))
+  return c
+
+
+def _run(*flags):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env.pop('XLA_FLAGS', None)  # one CPU device, like a user's run
+  cmd = [sys.executable, '-m', 'experiments.plan', '--config=configs/quickstart.py']
+  cmd += [f'--config.{k}={v}' for k, v in TINY.items()] + list(flags)
+  return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope='module')
+def too_small():
+  """The binary on TINY with --json and a device of 1 MiB: the round does not fit."""
+  return _run('--json', '--device_memory_gb=0.001')
+
+
+@pytest.fixture(scope='module')
+def device_plan(too_small):
+  return json.loads(too_small.stdout)
+
+
+def test_memory_adds_up_and_flops_are_steps_times_step(device_plan):
+  p = device_plan
+  assert p['bytes_per_device'] == (p['input_bytes'] + p['output_bytes'] - p['alias_bytes'] +
+                                   p['temp_bytes'] + p['generated_code_bytes'])
+  assert p['input_bytes'] >= p['argument_bytes'] > 6 * p['stored_client_bytes'] > 0
+  assert p['alias_bytes'] > 0  # the donated state
+  assert p['steps_per_round'] == 2 * (192 // 6 // 8)   # m = 2 of 6 clients, 4 steps each
+  assert p['flops_per_step'] > 0 and p['xla_round_flops'] > 0
+  assert p['flops_per_round'] == pytest.approx(p['flops_per_step'] * p['steps_per_round'])
+  assert p['strategy'] == 'map' and p['conv_impl'] == 'xla' and p['target'] == 'gpu'
+
+
+def test_host_client_state_keeps_the_other_clients_off_the_device(device_plan):
+  host = plan.plan(_config(client_state='host'), device_memory_gb=80)
+  assert host['fits']
+  # The device holds 2 participants' stored states instead of 6.
+  assert host['input_bytes'] == pytest.approx(
+      device_plan['input_bytes'] - 4 * device_plan['stored_client_bytes'], rel=1e-6)
+  assert host['alias_bytes'] == 0 and host['flops_per_round'] == device_plan['flops_per_round']
+
+
+def test_client_sizes_are_those_of_the_partition():
+  config = _config(partition='dirichlet', alpha=0.3, train_size=0)
+  info = configuration.dataset_info(config)
+  labels = plan.balanced_labels(info.num_train, info.num_classes)
+  parts = partition.partition(labels, 6, 'dirichlet', seed=0, alpha=0.3, num_classes=10)
+  np.testing.assert_array_equal(plan.client_sizes(config, info), [len(p) for p in parts])
+
+
+def test_json_and_exit_status_2_when_the_round_does_not_fit(too_small):
+  assert too_small.returncode == plan.EXIT_DOES_NOT_FIT, too_small.stderr[-2000:]
+  p = json.loads(too_small.stdout)  # exactly one JSON object on stdout
+  for key in ('bytes_per_device', 'flops_per_round', 'fits', 'flops_per_step', 'steps_per_round',
+              'argument_bytes', 'output_bytes', 'temp_bytes', 'generated_code_bytes',
+              'alias_bytes', 'input_bytes', 'usable_bytes'):
+    assert key in p, key
+  assert p['fits'] is False and p['usable_bytes'] < p['bytes_per_device']
+  error = [line for line in too_small.stderr.splitlines() if line.startswith('error: ')]
+  assert len(error) == 1 and 'does not fit' in error[0] and 'GiB' in error[0], error
+
+
+@pytest.mark.parametrize('memory', ['0', '-8'])
+def test_a_device_memory_of_zero_or_less_is_refused(memory):
+  out = _run(f'--device_memory_gb={memory}')
+  assert out.returncode == 1
+  assert f'error: --device_memory_gb = {float(memory):g} is invalid: must be > 0' in out.stderr
+  assert 'Traceback' not in out.stderr and not out.stdout
+
+
+def test_table_estimate_is_the_sum_of_its_runs():
+  path = str(REPO / 'configs/repshare/fig3.py')
+  e = plan.table_estimate(path, 'quick', seeds=[0], tflops=10)
+  # One step compiled per variant: lambda_kd and lambda_disc each zero (that term off) or not.
+  assert e['runs'] == 25 and len(e['groups']) == 4
+  assert sum(g['runs'] for g in e['groups'].values()) == 25
+  config = reproduce.cell_config(reproduce.load_table(path, 'quick'), 'lambda_kd=0',
+                                 'lambda_disc=0', seed=0)
+  sizes = plan.client_sizes(config, configuration.dataset_info(config))
+  steps = config.rounds * plan.real_steps(sizes, config)  # the same clients in every run
+  for g in e['groups'].values():
+    assert g['flops'] == pytest.approx(g['runs'] * steps * g['flops_per_step'][0])
+  assert e['flops_total'] == pytest.approx(sum(g['flops'] for g in e['groups'].values()))
+  assert e['hours'] == pytest.approx(e['flops_total'] / 10e12 / 3600)
