@@ -73,22 +73,28 @@ from fedjax_ssl.data import partition
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl.data.types import DataInfo, FedData
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
-                                          lock_config=True)
-_DEVICE_MEMORY_GB = flags.DEFINE_float('device_memory_gb', 80.0,
-                                       'Memory of one device in GiB (2^30 bytes).')
-_MEMORY_FRACTION = flags.DEFINE_float(
-    'memory_fraction', 0.75, 'Share of the device memory a run may use: 0.75 is what JAX '
-    'preallocates on a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION; pass the value you set).')
-_TARGET = flags.DEFINE_enum('target', 'gpu', ('gpu', 'cpu'),
-                            "The platform the config's 'auto' settings are resolved for "
-                            "(strategy, conv_impl); the compile runs on this machine's backend.")
-_TABLE = flags.DEFINE_string('table', None, 'A table file (configs/<paper>/<table>.py): estimate '
-                             'its FLOPs and hours instead of planning one config.')
-_SCALE = flags.DEFINE_string('scale', 'paper', 'The table scale (--table).')
-_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'The table seeds (--table).')
-_TFLOPS = flags.DEFINE_float('tflops', 18.0, 'Sustained TFLOP/s of the hours estimate (--table).')
-_JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the text report.')
+
+def _define_flags():
+  """The binary's flags, defined only when it runs: the tests import this module beside
+  experiments.train and experiments.reproduce, whose --config / --table would clash."""
+  global _CONFIG, _DEVICE_MEMORY_GB, _MEMORY_FRACTION, _TARGET, _TABLE, _SCALE, _SEEDS, _TFLOPS, _JSON
+  _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
+                                            lock_config=True)
+  _DEVICE_MEMORY_GB = flags.DEFINE_float('device_memory_gb', 80.0,
+                                         'Memory of one device in GiB (2^30 bytes).')
+  _MEMORY_FRACTION = flags.DEFINE_float(
+      'memory_fraction', 0.75, 'Share of the device memory a run may use: 0.75 is what JAX '
+      'preallocates on a GPU by default (XLA_PYTHON_CLIENT_MEM_FRACTION; pass the value you set).')
+  _TARGET = flags.DEFINE_enum('target', 'gpu', ('gpu', 'cpu'),
+                              "The platform the config's 'auto' settings are resolved for "
+                              "(strategy, conv_impl); the compile runs on this machine's backend.")
+  _TABLE = flags.DEFINE_string('table', None, 'A table file (configs/<paper>/<table>.py): estimate '
+                               'its FLOPs and hours instead of planning one config.')
+  _SCALE = flags.DEFINE_string('scale', 'paper', 'The table scale (--table).')
+  _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'The table seeds (--table).')
+  _TFLOPS = flags.DEFINE_float('tflops', 18.0, 'Sustained TFLOP/s of the hours estimate (--table).')
+  _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the text report.')
+
 
 EXIT_DOES_NOT_FIT = 2
 GIB = 2**30
@@ -463,4 +469,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   cv.run(main, reference=experiment.default_config)

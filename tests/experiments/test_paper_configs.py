@@ -48,6 +48,7 @@ BLOCK_SHRINK = {
 }
 PUBLIC_SIZE = 4
 MAX_CLIENTS = 10  # of a stand-in round
+RUN_CLIENTS = 4  # of the ResNet-18 round
 # Stand-ins for the architectures of a mix (Hetero-SSFL), in order of first appearance.
 SMALL_ENCODERS = ('small_cnn', 'mlp', 'hetero_cnn', 'cross_device_cnn')
 
@@ -113,7 +114,8 @@ def _parts_on(config: ml_collections.ConfigDict) -> int:
 def round_cells() -> List[Tuple[str, str, ml_collections.ConfigDict]]:
   """(kind, name, shrunk config) of the cells whose round is checked.
 
-  'run': the paper's cross-silo FedU2-BYOL train config, a real round of ResNet-18 clients.
+  'run': the paper's cross-silo FedU2-BYOL train config, a real round of RUN_CLIENTS ResNet-18
+  clients.
   'trace' (the round traced with `jax.eval_shape`, not compiled: a ResNet-34 round takes minutes to
   compile here): the table cell with the fewest clients (then the most encoders) whenever its
   encoders and image shape are not all covered yet. 'stand-in' (a real round, config.encoder
@@ -132,7 +134,7 @@ def round_cells() -> List[Tuple[str, str, ml_collections.ConfigDict]]:
       seen_algorithms.add(config.algorithm)
       seen_methods.add(config.ssl_method)
 
-  choose('run', train[0][0], shrink(train[0][1]))
+  choose('run', train[0][0], _fewer_clients(shrink(train[0][1]), RUN_CLIENTS))
   for name, config in train[1:]:  # their own settings (strategy, chunk, clients) run too
     choose('stand-in', name, _stand_in(config))
   for name, config in cells:  # train[0] first: its encoders are run, not only traced
@@ -159,19 +161,26 @@ def _stand_in(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   several architectures rewritten onto as many small ones (SMALL_ENCODERS) with the same counts."""
   small = shrink(config)
   small.update(STAND_IN)
-  if algorithms.get(config.algorithm).encoders is None and config.num_clients > MAX_CLIENTS:
-    # Fewer clients, full or partial participation as in the cell: a round of 100 small clients
-    # costs half a minute here and exercises nothing 10 do not.
-    m = MAX_CLIENTS if config.clients_per_round == config.num_clients else max(
-        1, config.clients_per_round * MAX_CLIENTS // config.num_clients)
-    small.update(dict(num_clients=MAX_CLIENTS, clients_per_round=m,
-                      train_size=2 * MAX_CLIENTS + small.public_size))
+  if algorithms.get(config.algorithm).encoders is None:  # a mix's counts fix its clients
+    small = _fewer_clients(small, MAX_CLIENTS)
   if config.algorithm == 'hetero_ssfl' and config.hetero_ssfl.mix:
     parts = [part.split(':') for part in config.hetero_ssfl.mix.split(',')]
     names = list(dict.fromkeys(name for name, _ in parts))  # distinct, in order
     small.hetero_ssfl.mix = ','.join(f'{SMALL_ENCODERS[names.index(name)]}:{count}'
                                      for name, count in parts)
   return small
+
+
+def _fewer_clients(config: ml_collections.ConfigDict, most: int) -> ml_collections.ConfigDict:
+  """A shrunk config with at most `most` clients, full or partial participation as before: a round
+  of 100 small clients costs half a minute here and exercises nothing 10 do not."""
+  if config.num_clients <= most:
+    return config
+  m = most if config.clients_per_round == config.num_clients else max(
+      1, config.clients_per_round * most // config.num_clients)
+  config.update(dict(num_clients=most, clients_per_round=m,
+                     train_size=2 * most + config.public_size))
+  return config
 
 
 def run_one_round(config: ml_collections.ConfigDict) -> Dict[str, float]:
