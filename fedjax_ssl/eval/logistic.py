@@ -28,7 +28,10 @@ thousands of iterations. L-BFGS therefore runs on V with W = V P, P = (Sigma + l
 this is a change of variables of the same objective, so the minimiser and the stopping test (on the
 gradient in the W coordinates) are unchanged. It cut the iterations ~7x on those features.
 
-All functions are pure and jittable. `fit_logistic` is vmappable over `c` (and over the data).
+The fits are pure; their L-BFGS runs in one jitted program per shape. With `precondition=True` the
+features `x` must be concrete (the preconditioner's eigendecomposition runs on the host first,
+`feature_eigh`); `fit_logistic` is then vmappable over `c`, and under jit or a vmap over the data
+pass precondition=False.
 `fit_logistic_path` fits a grid of c values in one `lax.scan`, warm-starting each fit from the
 previous one (pass c ascending: strongest penalty first, as sklearn's regularisation path); on CPU
 this was 4-12x faster than `jax.vmap(fit_logistic)` over the grid from zero, which runs every grid
@@ -38,8 +41,11 @@ fitted part, the held-out part and the whole split share one compiled program.
 
 Speed notes (XLA:CPU, 2 cores): the data term has a hand-written gradient computed as r^T x with
 W stored [K, d] (autodiff's x^T r ran ~5x slower), and the preconditioner's eigendecomposition runs
-in numpy through `jax.pure_callback` with one BLAS thread (XLA:CPU's eigh and numpy's with two
-OpenBLAS threads took 3.5-9 s for d = 512-784 on 2 busy cores; one thread: 0.06-0.1 s).
+in numpy on the host with one BLAS thread, before the fit's program (XLA:CPU's eigh and numpy's with
+two OpenBLAS threads took 3.5-9 s for d = 512-784 on 2 busy cores; one thread: 0.06-0.1 s). It used
+to run inside the program through `jax.pure_callback`; on a machine with one CPU (or a process
+pinned to one) that callback deadlocked in 4 of 6 probes, waiting for its own input buffer on the
+only XLA thread.
 """
 from __future__ import annotations
 
@@ -140,30 +146,30 @@ def accuracy(weights: jax.Array, bias: jax.Array, x: jax.Array, y: jax.Array,
   return jnp.sum(correct * mask) / jnp.sum(mask)
 
 
-def feature_eigh(x: jax.Array, max_rows: int = PRECONDITION_ROWS) -> Tuple[jax.Array, jax.Array]:
-  """Eigendecomposition of x^T x / m over m <= max_rows evenly spaced rows of x [n, d].
+def feature_eigh(x, max_rows: int = PRECONDITION_ROWS) -> Tuple[jax.Array, jax.Array]:
+  """Eigendecomposition of x^T x / m over m <= max_rows evenly spaced rows of x [n, d], on the host.
 
-  Returns:
-    (eigenvalues float [d], clipped at 0; eigenvectors float [d, d], columns).
+  x must be concrete (not traced). Returns:
+    (eigenvalues float [d], clipped at 0; eigenvectors float [d, d], columns), in x's dtype.
   """
-  n, d = x.shape
-  stride = max(1, -(-n // max_rows))
-  sub = x[::stride]
-  gram = sub.T @ sub / sub.shape[0]
-  # LAPACK through numpy on the host, with one BLAS thread (`_host_eigh`).
-  out = (jax.ShapeDtypeStruct((d,), x.dtype), jax.ShapeDtypeStruct((d, d), x.dtype))
-  s, u = jax.pure_callback(_host_eigh, out, gram, vmap_method='sequential')
-  return jnp.maximum(s, 0.0), u
-
-
-def _host_eigh(gram):
-  gram = np.asarray(gram)
+  if isinstance(x, jax.core.Tracer):
+    raise ValueError('feature_eigh needs concrete features (it runs on the host): call the fit '
+                     'outside jit / a vmap over the data, or pass precondition=False')
+  gram = np.asarray(_gram(x, max_rows=max_rows)).astype(np.float64)
   # One BLAS thread: with XLA's threads busy on 2 shared cores, OpenBLAS's two threads made a
   # 784 x 784 eigh take 4-9 s instead of 0.1 s. threadpoolctl comes with scikit-learn; without it
   # the decomposition runs with the BLAS library's default threads.
   with _one_blas_thread():
-    s, u = np.linalg.eigh(gram.astype(np.float64))
-  return s.astype(gram.dtype), u.astype(gram.dtype)
+    s, u = np.linalg.eigh(gram)
+  dtype = jnp.asarray(x).dtype
+  return jnp.asarray(np.maximum(s, 0.0), dtype), jnp.asarray(u, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=('max_rows',))
+def _gram(x, *, max_rows):
+  n = x.shape[0]
+  sub = x[::max(1, -(-n // max_rows))]
+  return sub.T @ sub / sub.shape[0]
 
 
 def _one_blas_thread():
@@ -225,10 +231,9 @@ def _mask(x, mask):
   return _ones(x) if mask is None else jnp.asarray(mask).astype(x.dtype)
 
 
-_STATIC = ('num_classes', 'max_iter', 'memory_size', 'precondition')
+_STATIC = ('num_classes', 'max_iter', 'memory_size')
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def fit_logistic(x: jax.Array, y: jax.Array, c, *, num_classes: int, tol=1e-4,
                  max_iter: int = 1000, memory_size: int = 10, precondition: bool = True,
                  init: Optional[Tuple[jax.Array, jax.Array]] = None,
@@ -243,16 +248,24 @@ def fit_logistic(x: jax.Array, y: jax.Array, c, *, num_classes: int, tol=1e-4,
     tol: stop when ||grad f||_2 < tol (mean form: an O(1)-scaled gradient).
     max_iter: iteration cap (the fit then ends with grad_norm >= tol).
     memory_size: L-BFGS history length.
-    precondition: run L-BFGS in the (Sigma + lambda)^{-1/2} coordinates (same minimiser).
+    precondition: run L-BFGS in the (Sigma + lambda)^{-1/2} coordinates (same minimiser); needs a
+      concrete x (`feature_eigh`).
     init: optional warm start (W [K, d], b [K]); default zeros.
     mask: optional 0/1 [n], the rows that are data (`objective`); default all.
   Returns:
     LogisticFit (weights, bias in x's dtype).
   """
-  eig = feature_eigh(x) if precondition else None
+  x = jnp.asarray(x)
   w0, b0 = _zeros(x, num_classes) if init is None else init
-  return _fit(x, y, _mask(x, mask), jnp.asarray(c, x.dtype), w0, b0, eig, tol=tol,
-              max_iter=max_iter, memory_size=memory_size)
+  return _fit_logistic(x, y, jnp.asarray(c, x.dtype), w0, b0, _mask(x, mask),
+                       feature_eigh(x) if precondition else None, num_classes=num_classes,
+                       tol=tol, max_iter=max_iter, memory_size=memory_size)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _fit_logistic(x, y, c, w0, b0, mask, eig, *, num_classes, tol, max_iter, memory_size):
+  del num_classes  # in the shapes of w0, b0; static so each K compiles once, like the others
+  return _fit(x, y, mask, c, w0, b0, eig, tol=tol, max_iter=max_iter, memory_size=memory_size)
 
 
 def _path(x, y, fit_mask, val_mask, cs, eig, num_classes, **kw):
@@ -264,7 +277,6 @@ def _path(x, y, fit_mask, val_mask, cs, eig, num_classes, **kw):
   return fits, val_acc
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def fit_logistic_path(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.Array,
                       val_mask: jax.Array, *, num_classes: int, tol=1e-4, max_iter: int = 1000,
                       memory_size: int = 10, precondition: bool = True
@@ -280,9 +292,15 @@ def fit_logistic_path(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.A
   Returns:
     (LogisticFit with a leading [G] axis, float [G] accuracy on the val_mask rows).
   """
-  eig = feature_eigh(x) if precondition else None
-  return _path(x, y, _mask(x, fit_mask), _mask(x, val_mask), cs, eig, num_classes, tol=tol,
-               max_iter=max_iter, memory_size=memory_size)
+  x = jnp.asarray(x)
+  return _fit_logistic_path(x, y, cs, _mask(x, fit_mask), _mask(x, val_mask),
+                            feature_eigh(x) if precondition else None, num_classes=num_classes,
+                            tol=tol, max_iter=max_iter, memory_size=memory_size)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _fit_logistic_path(x, y, cs, fit_mask, val_mask, eig, *, num_classes, **kw):
+  return _path(x, y, fit_mask, val_mask, cs, eig, num_classes, **kw)
 
 
 class SelectedFit(NamedTuple):
@@ -298,7 +316,6 @@ class SelectedFit(NamedTuple):
   final: LogisticFit
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
 def select_and_refit(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.Array,
                      val_mask: jax.Array, *, num_classes: int, tol=1e-4, max_iter: int = 1000,
                      memory_size: int = 10, precondition: bool = True) -> SelectedFit:
@@ -307,9 +324,15 @@ def select_and_refit(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.Ar
   One compiled program per shape serves the whole probe (the masks select the rows), so every draw
   of a label fraction reuses it. Arguments as in `fit_logistic_path` (cs ascending).
   """
-  eig = feature_eigh(x) if precondition else None
-  kw = dict(tol=tol, max_iter=max_iter, memory_size=memory_size)
-  path, val_acc = _path(x, y, _mask(x, fit_mask), _mask(x, val_mask), cs, eig, num_classes, **kw)
+  x = jnp.asarray(x)
+  return _select_and_refit(x, y, cs, _mask(x, fit_mask), _mask(x, val_mask),
+                           feature_eigh(x) if precondition else None, num_classes=num_classes,
+                           tol=tol, max_iter=max_iter, memory_size=memory_size)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _select_and_refit(x, y, cs, fit_mask, val_mask, eig, *, num_classes, **kw):
+  path, val_acc = _path(x, y, fit_mask, val_mask, cs, eig, num_classes, **kw)
   best = jnp.argmax(val_acc).astype(jnp.int32)
   c = jnp.asarray(cs, x.dtype)[best]
   final = _fit(x, y, _ones(x), c, path.weights[best], path.bias[best], eig, **kw)

@@ -131,6 +131,25 @@ def test_fit_is_vmappable_over_c():
     assert np.linalg.norm(fits.weights[i] - one.weights) <= 2e-6 * c * len(y) + 1e-6
 
 
+def test_the_probe_program_has_no_host_callback():
+  """The preconditioner's eigendecomposition runs on the host before the program: a callback inside
+  it deadlocked on one CPU (the only XLA thread waited for the callback's own input buffer; 4 of 6
+  probes hung under `taskset -c 0`)."""
+  x, y, _, _ = _mixture(0, 1200, 600, 20, 4, spread=0.5)
+  x, = protocol.standardize(x)
+  mask = np.ones(len(y), np.float32)
+  cs = np.array([0.01, 0.1], np.float32)
+  eig = logistic.feature_eigh(x)
+  text = logistic._select_and_refit.lower(x, y, cs, mask, mask, eig, num_classes=4, tol=1e-4,
+                                          max_iter=10, memory_size=10).as_text()
+  assert 'custom_call' not in text and 'callback' not in text
+  s, u = eig  # and it is the eigendecomposition of the covariance, in float64 on the host
+  np.testing.assert_allclose(np.asarray(u) * np.asarray(s) @ np.asarray(u).T,
+                             np.asarray(x).T @ np.asarray(x) / len(x), atol=1e-4)
+  with pytest.raises(ValueError, match='concrete features'):
+    jax.jit(logistic.feature_eigh)(x)
+
+
 GRID_DATA = dict(seed=1, n=600, m=300, d=30, k=3, spread=0.25)
 
 
