@@ -3,8 +3,9 @@ r"""Stacked round step vs a sequential per-client loop, on the same work, in one
   python -m experiments.benchmark --out results.json
   python -m experiments.benchmark --out results.json --models=small_cnn --clients=10,100
   python -m experiments.benchmark --setting=cross_device --clients=1000 --out cd1000.json
+  python -m experiments.benchmark --setting=conv_layers --out conv_layers.json
 
-Two settings (--setting):
+Settings (--setting):
   * `byol` (default): a FedBYOL round, every client participating, SGD with momentum; the models,
     augmentations and client counts of the flags below.
   * `cross_device`: the standard cross-device round of the FL-simulator literature. Supervised
@@ -31,6 +32,12 @@ Two settings (--setting):
 
   python -m experiments.benchmark --setting=scale --clients=100 --out scale100.json
   python -m experiments.benchmark --setting=scale --clients=1000 --alpha=0.5 --out scale1000.json
+
+  * `conv_layers`: each convolution layer of the CPU benchmark models (cross_device_cnn at batch 10,
+    small_cnn at batch 128), forward and both gradients inside a `lax.scan`, under the candidate
+    implementations of experiments/conv_layers.py (--variants; default all), beside the layer's
+    three GEMMs alone on cache-warm operands; GFLOP/s and the ratio to the GEMMs per layer, and the
+    implementation conv_impl='auto' picks on this backend. --repeats timed scans per variant.
 
 For every (model, augmentation, client count) the same FedBYOL round (E local steps of batch B per
 client, SGD with momentum) runs
@@ -91,6 +98,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import conv_layers  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import models  # noqa: E402
@@ -102,7 +110,7 @@ from fedjax_ssl.data.types import DataInfo  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402
 from fedjax_ssl.data.types import Dataset, FedData  # noqa: E402
 
-_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale'],
+_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale', 'conv_layers'],
                              'Which round to time (module docstring).')
 _PARTICIPANTS = flags.DEFINE_integer(
     'participants', 0, 'Clients sampled per round; 0 = every client (byol) or 50 (cross_device).')
@@ -561,9 +569,22 @@ def run_scale() -> List[Dict]:
   return [info] + rows
 
 
+CONV_LAYERS_DEFAULTS = dict(variants=list(conv_layers.CANDIDATES), repeats=7)
+
+
+def run_conv_layers() -> List[Dict]:
+  """--setting=conv_layers (experiments/conv_layers.py): the info row, then one row per layer."""
+  info = {'backend': jax.default_backend(), 'setting': 'conv_layers',
+          'cpu_affinity': sorted(os.sched_getaffinity(0)), 'jax': jax.__version__,
+          'steps_per_scan': conv_layers.STEPS, 'repeats': _REPEATS.value}
+  print(json.dumps(info))
+  return [info] + conv_layers.run(_VARIANTS.value, _REPEATS.value)
+
+
 def check_flags() -> None:
   """Raises cv.ConfigError naming the flag, its value and what is allowed (before any compute)."""
-  variants = list(SCALE_VARIANTS if _SETTING.value == 'scale' else _VARIANT_STRATEGY)
+  variants = list({'scale': SCALE_VARIANTS, 'conv_layers': conv_layers.CANDIDATES}.get(
+      _SETTING.value, _VARIANT_STRATEGY))
   for name, values, allowed in (('models', _MODELS.value, list(_SETTINGS)),
                                 ('variants', _VARIANTS.value, variants)):
     for value in values:
@@ -622,8 +643,8 @@ def _positive_number(text: str) -> bool:
 def apply_setting_defaults() -> None:
   """The cross-device and scale settings' flag defaults, for every flag not given on the command
   line."""
-  defaults = {'cross_device': CROSS_DEVICE_DEFAULTS,
-              'scale': SCALE_DEFAULTS}.get(_SETTING.value, {})
+  defaults = {'cross_device': CROSS_DEVICE_DEFAULTS, 'scale': SCALE_DEFAULTS,
+              'conv_layers': CONV_LAYERS_DEFAULTS}.get(_SETTING.value, {})
   for name, value in defaults.items():
     if not flags.FLAGS[name].present:
       flags.FLAGS[name].value = value
@@ -633,7 +654,7 @@ def main(argv):
   del argv
   apply_setting_defaults()
   check_flags()
-  rows = run_scale() if _SETTING.value == 'scale' else run()
+  rows = {'scale': run_scale, 'conv_layers': run_conv_layers}.get(_SETTING.value, run)()
   with open(_OUT.value, 'w') as f:
     json.dump({'info': rows[0], 'rows': rows[1:]}, f, indent=2)
   print(f'wrote {_OUT.value}')

@@ -1,0 +1,71 @@
+"""The per-layer convolution benchmark's candidates compute `lax.conv_general_dilated` and its two
+gradients (float64), and the benchmark setting reports what it measured."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import conv_layers
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# (batch, H, W, cin, cout, k, pads): the layers' 3x3 / padding 1, a 5x5 VALID one (LeNet,
+# hetero_cnn), asymmetric padding, a 1x1 kernel and a non-square input; batch 16 for chunk16.
+CASES = [
+    (16, 8, 8, 3, 5, 3, ((1, 1), (1, 1))),
+    (16, 9, 7, 4, 6, 5, ((0, 0), (0, 0))),
+    (16, 6, 6, 2, 3, 3, ((2, 0), (0, 1))),
+    (16, 5, 5, 3, 4, 1, ((0, 0), (0, 0))),
+]
+
+
+@pytest.fixture
+def x64():
+  jax.config.update('jax_enable_x64', True)
+  yield
+  jax.config.update('jax_enable_x64', False)
+
+
+@pytest.mark.parametrize('name', sorted(conv_layers.CANDIDATES))
+def test_every_candidate_is_the_convolution_and_its_gradients(name, x64):
+  del x64
+  conv = conv_layers.CANDIDATES[name]
+  for b, h, w, cin, cout, k, pads in CASES:
+    keys = jax.random.split(jax.random.PRNGKey(b + h + k), 3)
+    x = jax.random.normal(keys[0], (b, h, w, cin), np.float64)
+    kernel = jax.random.normal(keys[1], (k, k, cin, cout), np.float64)
+    y_ref, vjp_ref = jax.vjp(lambda x, kk: conv_layers.conv_xla(x, kk, pads), x, kernel)
+    y, vjp = jax.vjp(lambda x, kk: conv(x, kk, pads), x, kernel)
+    g = jax.random.normal(keys[2], y_ref.shape, np.float64)
+    assert y.shape == y_ref.shape and y.dtype == np.float64
+    # Sums of at most k*k*cin products of O(1) terms: float64 rounding is ~1e-15 relative.
+    np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(vjp(g), vjp_ref(g)):
+      np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-11)
+
+
+def test_the_setting_reports_each_layer_against_its_gemms(tmp_path):
+  rows = conv_layers.run(['im2col', 'rows', 'chunk16'], repeats=1,
+                         layer_names=['cross_device_cnn/conv2'])
+  (row,) = rows
+  assert row['library_conv_impl'] == 'im2col'  # the CPU backend's conv_impl='auto'
+  np.testing.assert_allclose(row['mflop_per_gemm'], 2 * 10 * 16 * 16 * 288 * 64 / 1e6)
+  assert set(row['gflops']) == {'im2col', 'rows'}   # chunk16 needs a batch multiple of 16
+  for v, rate in row['gflops'].items():
+    assert rate > 0 and np.isclose(row['ratio_to_gemms'][v], rate / row['gemms_gflops'])
+
+
+def test_an_unknown_candidate_is_refused_before_compute(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run([sys.executable, '-m', 'experiments.benchmark', '--setting=conv_layers',
+                         '--variants=im2col,winograd', f'--out={tmp_path}/c.json'], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      "error: --variants = 'im2col,winograd' is invalid: 'winograd' is not one of ['xla', 'im2col'")
+  assert not (tmp_path / 'c.json').exists()
