@@ -25,6 +25,7 @@ from tests.algorithms.test_registry import _small_config
 from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, SIZES,
                                                _assert_tree_close, _float64, _overlay, _persisted,
                                                _round_cfg, _spec)
+from tests.core.test_server_opt import _Run
 from tests.ops.test_fedca import np_code_dictionary_loss, np_dictionary_nt_xent
 
 PUBLIC = 10
@@ -259,28 +260,6 @@ def test_step_gives_no_gradient_to_the_dictionary_or_the_global_model():
 
 # ------------------------------------------------------------------------------------------------
 # The dictionary is server state: checkpointed, resumed exactly.
-
-class _Run:
-  """A small registry run with one compiled round step (the client sizes passed to the build)."""
-
-  def __init__(self, config):
-    dataset = experiment.load_data(config)
-    self.fed_data, _ = experiment.build_fed_data(config, dataset)
-    self.algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(self.fed_data.n))
-    self.init_key, self.run_key = experiment.run_keys(config)
-    self.num_clients = config.num_clients
-    self.step = rd.make_round_step(self.algo, experiment.round_config(config), config.num_clients,
-                                   donate=False)
-
-  def init(self):
-    return rd.init_state(self.algo, self.init_key, self.num_clients)
-
-  def rounds(self, state, count):
-    start = int(state.round)
-    for r in range(start, start + count):
-      state, _ = self.step(state, self.fed_data, rng.round_key(self.run_key, r))
-    return state
-
 
 def test_dictionary_is_checkpointed_and_resumes_exactly(tmp_path):
   """3 rounds straight equal 2 rounds, a checkpoint, a restore into a fresh template and 1 more

@@ -157,13 +157,15 @@ def test_wrap_refuses_an_algorithm_without_a_global_model():
 
 
 class _Run:
-  """`config`'s data, algorithm (through the registry unless `algo` is given), initial state and
-  ONE compiled round step, so that several runs share a compilation."""
+  """`config`'s data, algorithm (through the registry unless `algo` is given; with the client sizes,
+  as the training binary builds it), initial state and ONE compiled round step, so that several
+  runs share a compilation."""
 
   def __init__(self, config, algo=None):
     dataset = experiment.load_data(config)
     self.fed_data, _ = experiment.build_fed_data(config, dataset)
-    self.algo = algo or experiment.build_algorithm(config, dataset)
+    self.algo = algo or experiment.build_algorithm(config, dataset,
+                                                   client_sizes=np.asarray(self.fed_data.n))
     self.init_key, self.run_key = experiment.run_keys(config)
     self.num_clients = config.num_clients
     self.step = rd.make_round_step(self.algo, experiment.round_config(config), config.num_clients,
