@@ -38,14 +38,18 @@ layout (``ValueError``), and ``move_aside`` moves an unreadable one to
 ``<directory>/corrupt/<round>`` (step discovery only lists integer names, so
 it is no longer a candidate). Orbax keeps no checksum of the array data: a
 flipped bit inside a compressed chunk that still decodes is not detected. A
-failed restore leaves TensorStore reads pending on the asyncio loop orbax has
-closed; their "Event loop is closed" errors (harmless, one traceback each) are
-dropped until ``close``.
+failed restore leaves residue that Python would print as tracebacks although
+the restore has already raised: TensorStore reads pending on the asyncio loop
+orbax has closed ("Event loop is closed", an unraisable error), and the read
+tasks that failed after the first one (asyncio's "Task exception was never
+retrieved", logged when the garbage collector frees the task, so at no fixed
+time). Both are dropped until ``close``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 import os
 import re
@@ -117,6 +121,18 @@ def _is_closed_loop_callback(unraisable) -> bool:
   return (isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and
           any(f.name == 'call_soon_threadsafe'
               for f in traceback.extract_tb(unraisable.exc_traceback)))
+
+
+class _DropUnretrievedReadErrors(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" records of a read error
+  (`_READ_ERRORS`): orbax gathers one task per array and raises the first failure, so every other
+  damaged array's task is logged, with a traceback, when it is garbage-collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (str(record.msg).startswith(('Task exception was never retrieved',
+                                            'Future exception was never retrieved'))
+                and _read_error(exc) is not None)
 
 
 def _damaged_file(step_dir: str, error: BaseException) -> str:
@@ -193,6 +209,7 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=(_STATE, _METADATA))
     self._unraisablehook = None  # the hook `restore` wraps, put back by `close`
+    self._asyncio_filter = _DropUnretrievedReadErrors()
 
   def all_rounds(self) -> list[int]:
     """Rounds with a complete checkpoint on disk, ascending."""
@@ -280,6 +297,7 @@ class Checkpointer:
     if self._unraisablehook is None:  # until close(): the reads outlive a failed restore
       self._unraisablehook = sys.unraisablehook
       sys.unraisablehook = self._drop_closed_loop_callbacks
+      logging.getLogger('asyncio').addFilter(self._asyncio_filter)
     try:
       restored = self._manager.restore(
           round_idx,
@@ -334,6 +352,7 @@ class Checkpointer:
     self._manager.close()
     if self._unraisablehook is not None:
       sys.unraisablehook, self._unraisablehook = self._unraisablehook, None
+      logging.getLogger('asyncio').removeFilter(self._asyncio_filter)
 
   def __enter__(self) -> Checkpointer:
     return self

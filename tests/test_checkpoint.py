@@ -1,5 +1,7 @@
 """Tests for fedjax_ssl.checkpoint (orbax-based Checkpointer)."""
 
+import gc
+import logging
 import os
 import shutil
 import subprocess
@@ -14,7 +16,7 @@ import optax
 import pytest
 from orbax.checkpoint._src.path import atomicity_types
 
-from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.checkpoint import Checkpointer, UnreadableCheckpoint
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,3 +242,20 @@ def test_read_only_reader_beside_a_writer(tmp_path):
   writer.close()
   assert r == 2
   _assert_tree_exact(restored, _host_copy(_nested_state(2)))
+
+
+def test_a_failed_restore_prints_no_traceback(tmp_path, caplog):
+  """A damaged manifest fails every array's read task; orbax raises the first and asyncio logs each
+  other one ("Task exception was never retrieved", with a traceback) when the task is collected,
+  which a user would read as a crash. The restore's own error is what they see."""
+  state = {f'layer{i}': {'w': jnp.ones((8, 8)), 'b': jnp.zeros(8)} for i in range(8)}
+  rng = np.random.default_rng(0)
+  with Checkpointer(tmp_path, save_every=1) as ckpt:
+    ckpt.maybe_save(1, state)
+    (tmp_path / '1' / 'state' / 'manifest.ocdbt').write_bytes(rng.bytes(64))
+    with caplog.at_level(logging.ERROR, logger='asyncio'):
+      for _ in range(3):  # each restore starts 16 reads, all failing
+        with pytest.raises(UnreadableCheckpoint, match=r'round 1 .*manifest\.ocdbt'):
+          ckpt.restore(state, 1)
+        gc.collect()
+  assert [r.getMessage()[:40] for r in caplog.records if r.name == 'asyncio'] == []
