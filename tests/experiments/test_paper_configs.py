@@ -2,8 +2,8 @@
 configs/fedu2/paper_cross_device.py), cut to a tiny run on synthetic images of the paper's shape,
 validates and builds. Rounds, each a real compiled round on CPU: the cross-silo FedU2 config on
 ResNet-18 clients (batch 2, 32x32x3); one cell per paper encoder and image shape, on that encoder
-(ResNet-34, Fixup ResNet-20, the repshare ResNets, LeNet-5, the small CNN, and Hetero-SSFL's mix of
-four architectures with one client each); every algorithm and SSL method of the tables, and the
+(ResNet-34, Fixup ResNet-20, the repshare ResNets, LeNet-5, the small CNN, and Hetero-SSFL's mix,
+one client of each architecture not run yet); every algorithm and SSL method of the tables, and the
 cross-device config's own settings, on a small stand-in CNN. Compiling dominates (a ResNet-34 round
 compiles in about 30 s on one core with XLA's optimisations off, `fast_compile`).
 
@@ -139,10 +139,11 @@ def round_cells() -> List[Tuple[str, str, ml_collections.ConfigDict]]:
     choose('stand-in', name, _stand_in(config))
   for name, config in cells:  # train[0] first: its encoders are covered by its round
     encoders, shape = model_key(config)
-    if any((e, shape) not in seen_encoders for e in encoders):
+    uncovered = frozenset(e for e in encoders if (e, shape) not in seen_encoders)
+    if uncovered:
       seen_encoders.update((e, shape) for e in encoders)
       if name != train[0][0]:
-        choose('paper', name, _one_client_per_architecture(shrink(config)))
+        choose('paper', name, _one_client_per_architecture(shrink(config), uncovered))
   by_algorithm = collections.defaultdict(list)  # fewest clients, then fewest architectures first
   for name, config in sorted(cells, key=lambda nc: (nc[1].num_clients, len(model_key(nc[1])[0]))):
     by_algorithm[config.algorithm].append((name, config))
@@ -156,12 +157,17 @@ def round_cells() -> List[Tuple[str, str, ml_collections.ConfigDict]]:
   return chosen
 
 
-def _one_client_per_architecture(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A shrunk Hetero-SSFL mix with one client of each architecture (every architecture still
-  compiles and trains; more clients of one only widen its cohort); other configs unchanged."""
+def _one_client_per_architecture(config: ml_collections.ConfigDict,
+                                 uncovered: frozenset) -> ml_collections.ConfigDict:
+  """A shrunk Hetero-SSFL mix with one client of each architecture in `uncovered` (each compiles and
+  trains; more clients of one only widen its cohort, and an architecture whose round already ran at
+  this shape, e.g. ResNet-18 in the cross-silo round, would only compile again); other configs
+  unchanged."""
   if config.algorithm != 'hetero_ssfl' or not config.hetero_ssfl.mix:
     return config
-  names = list(dict.fromkeys(part.split(':')[0] for part in config.hetero_ssfl.mix.split(',')))
+  names = [name for name in dict.fromkeys(part.split(':')[0]
+                                          for part in config.hetero_ssfl.mix.split(','))
+           if name in uncovered]
   config.hetero_ssfl.mix = ','.join(f'{name}:1' for name in names)
   n = len(names)
   config.update(dict(num_clients=n, clients_per_round=n, train_size=2 * n + config.public_size))
