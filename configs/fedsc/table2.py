@@ -12,7 +12,9 @@ paper: configs/fedsc/common.paper_base per dataset (the official code's protocol
   clients per round. Centralized SC: the FedSC model, loss and optimiser on one client for 200
   rounds of 5 epochs (a compute-matched 1000 epochs; the paper gives no budget, A17).
 quick: Fashion-MNIST (first 10,000 images), 10 clients x 2 classes, LeNet-5, 20 rounds of 2 epochs
-  on 2 CPU cores; full (10/10) and partial (2/10) participation; no paper number applies.
+  on 2 CPU cores; full (10/10) and partial (2/10) participation; no paper number applies. Results:
+  docs/results/fedsc/table2_fmnist_quick/ (the baselines FedX and FedCA at 10/10, 3 seeds: probe
+  80.12 ± 0.26 and 78.95 ± 1.49 against random init 79.22 and raw pixels 83.45).
 """
 from configs.fedsc import common as fedsc_common
 from fedjax_ssl import reproduce
@@ -72,6 +74,8 @@ def get_table(scale: str) -> reproduce.Table:
                               'FedAvg + SC', 'probe_acc'),
               reproduce.Claim('FedSC > FedAvg + BYOL', 'FedSC', 'FedAvg + BYOL', 'probe_acc'),
               reproduce.Claim('FedSC learns', 'FedSC', reproduce.RANDOM_INIT, 'probe_acc')),
-      notes=('Linear probe: Adam 3e-3, 200 epochs, backbone features, last epoch. FedCA = the FedSC '
-             "code's Client_CA (no alignment module). Quick scale: Fashion-MNIST, LeNet-5, 20 "
-             'rounds; not comparable to the paper.'))
+      notes=(('Linear probe: Adam 3e-3, 200 epochs, backbone features, last epoch. ' if scale == 'paper'
+              else 'The evaluation protocol: L-BFGS logistic probe on standardised backbone features '
+                   '(C from a grid on a held-out 10%), kNN k=200 / 20; 1% = 3 stratified draws. ') +
+             "FedCA = the FedSC code's Client_CA (no alignment module). Quick scale: Fashion-MNIST, "
+             'LeNet-5, 20 rounds; not comparable to the paper.'))
