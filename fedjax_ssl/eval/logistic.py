@@ -292,10 +292,15 @@ def fit_logistic_path(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.A
   Returns:
     (LogisticFit with a leading [G] axis, float [G] accuracy on the val_mask rows).
   """
+  x, fit_mask, val_mask, eig = _path_inputs(x, fit_mask, val_mask, precondition)
+  return _fit_logistic_path(x, y, cs, fit_mask, val_mask, eig, num_classes=num_classes, tol=tol,
+                            max_iter=max_iter, memory_size=memory_size)
+
+
+def _path_inputs(x, fit_mask, val_mask, precondition):
+  """(x, fit_mask, val_mask, eig) as the jitted path programs take them; eig from the host."""
   x = jnp.asarray(x)
-  return _fit_logistic_path(x, y, cs, _mask(x, fit_mask), _mask(x, val_mask),
-                            feature_eigh(x) if precondition else None, num_classes=num_classes,
-                            tol=tol, max_iter=max_iter, memory_size=memory_size)
+  return x, _mask(x, fit_mask), _mask(x, val_mask), feature_eigh(x) if precondition else None
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -324,10 +329,9 @@ def select_and_refit(x: jax.Array, y: jax.Array, cs: jax.Array, fit_mask: jax.Ar
   One compiled program per shape serves the whole probe (the masks select the rows), so every draw
   of a label fraction reuses it. Arguments as in `fit_logistic_path` (cs ascending).
   """
-  x = jnp.asarray(x)
-  return _select_and_refit(x, y, cs, _mask(x, fit_mask), _mask(x, val_mask),
-                           feature_eigh(x) if precondition else None, num_classes=num_classes,
-                           tol=tol, max_iter=max_iter, memory_size=memory_size)
+  x, fit_mask, val_mask, eig = _path_inputs(x, fit_mask, val_mask, precondition)
+  return _select_and_refit(x, y, cs, fit_mask, val_mask, eig, num_classes=num_classes, tol=tol,
+                           max_iter=max_iter, memory_size=memory_size)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
