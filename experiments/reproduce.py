@@ -9,7 +9,9 @@ finishes only what is missing: runs with a results.json are read, not re-run; a 
 from its last checkpoint. A failing run writes error.json (its traceback) and the grid goes on; a
 rerun tries it again. A workdir whose config.json differs from the cell's current config (the table
 file changed) is reported, never overwritten. Compiled programs are cached in DIR/jax_cache (JAX's persistent compilation
-cache), so seeds after the first skip most compilation. After every run DIR/table.csv, DIR/table.md and DIR/table.png are rewritten
+cache), so seeds after the first skip most compilation. The raw-pixel reference row is evaluated
+once per seed and shared by the runs that read the same pixels (DIR/references, keyed by a digest of
+the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv, DIR/table.md and DIR/table.png are rewritten
 (mean ± std over seeds next to the paper's number). `--only` takes cell names or fnmatch patterns
 ('fedbyol.*'); `--list` prints the cells and exits.
 """
@@ -120,6 +122,10 @@ def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
   tmp.replace(workdir / 'error.json')
 
 
+# Under OUT: the raw-pixel reference rows shared by the runs that read the same pixels.
+REFERENCES = 'references'
+
+
 def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
               command: str = '', overrides=None) -> list:
   """Runs what is missing of the table and writes its outputs; returns the summary rows.
@@ -147,7 +153,8 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     workdir = run.workdir(out)
     (workdir / 'error.json').unlink(missing_ok=True)
     try:
-      train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1)
+      train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
+                               reference_cache=str(out / REFERENCES))
     except Exception as e:  # pylint: disable=broad-except
       # Recorded in the table and retried on the next invocation; the other runs go on.
       _write_error(workdir, e)

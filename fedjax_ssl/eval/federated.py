@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 from typing import Any, Dict, List, Optional
 
 import flax.linen as nn
@@ -210,3 +212,22 @@ def raw_pixel_metrics(config: ml_collections.ConfigDict, dataset: Dataset) -> Di
   pixels = lambda x: np.asarray(x, np.float32).reshape(len(x), -1)
   train_p, test_p = fs_protocol.standardize(pixels(dataset.train_x), pixels(dataset.test_x))
   return protocol_metrics(config, train_p, test_p, dataset)
+
+
+# The config values `raw_pixel_metrics` reads (through `protocol_metrics`).
+_RAW_PIXEL_KEYS = ('label_fractions', 'label_draws', 'seed', 'knn_k', 'knn_k_small',
+                   'knn_temperature')
+
+
+def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
+  """A 16-hex-digit digest of everything `raw_pixel_metrics` reads: both splits' images and labels
+  (dtype, shape and bytes) and the protocol's config values. Runs with equal keys get equal metrics,
+  so the runs of a table at one seed (every row reads the same pixels) can share one evaluation."""
+  h = hashlib.sha256()
+  for a in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
+    a = np.ascontiguousarray(a)
+    h.update(f'{a.dtype.str}{a.shape}'.encode())
+    h.update(memoryview(a).cast('B'))
+  values = {k: config[k] for k in _RAW_PIXEL_KEYS}
+  h.update(json.dumps(values, sort_keys=True, default=list).encode())
+  return h.hexdigest()[:16]

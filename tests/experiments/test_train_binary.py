@@ -4,6 +4,7 @@ ends in exactly the state (and log) of an uninterrupted run, and
 experiments.reprobe reproduces its probe accuracies; the console shows only the lines meant for a
 person (library logs go to WORKDIR/train.log); config errors are one `error: ...` line, exit status
 1, before any data is loaded."""
+import dataclasses
 import json
 import logging
 import os
@@ -297,3 +298,48 @@ def test_best_over_rounds_skips_the_random_init_row_and_takes_the_first_best():
   assert train.best_over_rounds(records, 'knn_acc') == {'knn_acc_best': 0.64,
                                                         'knn_acc_best_round': 10}
   assert train.best_over_rounds(records[:2], 'knn_acc') == {}
+
+
+def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp_path,
+                                                                              monkeypatch):
+  from experiments import train
+  config = experiment.default_config()
+  config.update(dict(dataset='fashion_mnist_subset', train_size=300, probe='logistic',
+                     label_fractions=(1.0, 0.1), label_draws=1, knn_k=20, knn_k_small=5))
+  dataset = experiment.load_data(config)
+  calls = []
+
+  def evaluate(c, d):
+    calls.append(c.seed)
+    return {'probe_acc': 0.5 + c.seed, 'knn_acc': 0.25}
+  monkeypatch.setattr(experiment, 'raw_pixel_metrics', evaluate)
+  shared = tmp_path / 'references'
+
+  def reference(c, name, reuse=True):
+    (tmp_path / name).mkdir(exist_ok=True)
+    return train.raw_pixel_reference(c, experiment.load_data(c), tmp_path / name, reuse=reuse,
+                                     shared_dir=shared)
+
+  first, took = reference(config, 'a')
+  assert calls == [0] and took.endswith('s)') and len(list(shared.iterdir())) == 1
+  # Another row at the same seed (another method, another encoder): the shared file, no compute.
+  other = experiment.default_config()
+  other.update(config.to_dict())
+  other.update(dict(ssl_method='byol', encoder='mlp', rounds=7))
+  got, took = reference(other, 'b')
+  assert calls == [0] and got == first and 'references' in took
+  assert json.loads((tmp_path / 'b' / 'raw_pixels.json').read_text()) == first
+  # What the metrics read differs: the seed (the label draws), a label fraction, the pixels.
+  for change in (dict(seed=1), dict(label_fractions=(1.0, 0.2)), dict(train_size=200)):
+    c = experiment.default_config()
+    c.update(config.to_dict())
+    c.update(change)
+    reference(c, 'c', reuse=False)
+  assert calls == [0, 1, 0, 0] and len(list(shared.iterdir())) == 4
+  key = experiment.raw_pixel_key
+  assert key(config, dataset) == key(other, experiment.load_data(other))
+  flipped = dataclasses.replace(dataset, test_x=np.ascontiguousarray(dataset.test_x[::-1]))
+  assert key(config, dataset) != key(config, flipped)
+  # The run's own file wins while its config is unchanged (a resume).
+  (tmp_path / 'a' / 'raw_pixels.json').write_text(json.dumps({'probe_acc': 0.9}))
+  assert reference(config, 'a')[0] == {'probe_acc': 0.9}
