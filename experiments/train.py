@@ -411,8 +411,9 @@ def raw_pixel_reference(config, dataset, workdir: pathlib.Path, *, reuse: bool,
   earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
   it is written to the workdir (a run directory stands alone) and, when computed, to shared_dir.
 
-  The evaluation is the slowest part of a short run (10 minutes on 20,000 Fashion-MNIST images on
-  the 2-core box against 2.5 for the random-init encoder), and every row of a table at one seed
+  The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
+  images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
+  random-init encoder), and every row of a table at one seed
   reads the same pixels: experiments.reproduce shares it across a table's runs with OUT/references.
   Returns (metrics dict, a note for the log line)."""
   raw_path = workdir / 'raw_pixels.json'

@@ -67,7 +67,6 @@ def quick_base():
   return c
 
 
-
 def evidence_base():
   """quick_base at the FedSSL evidence budget (configs/fedssl/fmnist.py: first 20,000 images, the
   small CNN with 128-256(BN)-128 heads, 50 rounds of 1 local epoch, batch 128, SGD 0.1 cosine, SimCLR
@@ -76,6 +75,7 @@ def evidence_base():
   c.update(dict(train_size=20000, encoder='small_cnn', rounds=50, eval_every=10,
                 checkpoint_every=10))
   return c
+
 
 # The baselines' own hyper-parameters in the FedU2 code (`src/mains/train_*.py`), used at paper
 # scale; the quick scale keeps one budget for every row.

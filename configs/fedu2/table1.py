@@ -137,8 +137,8 @@ def _evidence_table() -> reproduce.Table:
   return reproduce.Table(
       name='fedu2_table1',
       title='FedU2 Table 1 (SimCLR rows): Fashion-MNIST, Dirichlet(0.1), small CNN, 50 rounds',
-      # Supervised FedAvg at half the rate, as in the FedSSL evidence table (at 0.1 it diverged).
       base=fedu2_common.evidence_base(),
+      # Supervised FedAvg at half the rate, as in the FedSSL evidence table (at 0.1 it diverged).
       rows={r: dict(rows('evidence')[r], **({'lr': 0.05} if 'supervised' in r else {}))
             for r in names},
       columns={'FMNIST 10 clients': {'num_clients': 10, 'clients_per_round': 10}},

@@ -220,10 +220,12 @@ _RAW_PIXEL_KEYS = ('label_fractions', 'label_draws', 'seed', 'knn_k', 'knn_k_sma
 
 
 def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
-  """A 16-hex-digit digest of everything `raw_pixel_metrics` reads: both splits' images and labels
-  (dtype, shape and bytes) and the protocol's config values. Runs with equal keys get equal metrics,
-  so the runs of a table at one seed (every row reads the same pixels) can share one evaluation."""
-  h = hashlib.sha256()
+  """A 16-hex-digit digest of every input `raw_pixel_metrics` reads: both splits' images and labels
+  (dtype, shape and bytes), the class count and the protocol's config values. Runs with equal keys
+  get equal metrics from the same code, so the runs of a table at one seed (every row reads the same
+  pixels) can share one evaluation; the protocol's code constants (its C grid, held-out share) are
+  not in the key, so a cache written before a change to them is stale and must be deleted."""
+  h = hashlib.sha256(f'{dataset.num_classes}'.encode())
   for a in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
     a = np.ascontiguousarray(a)
     h.update(f'{a.dtype.str}{a.shape}'.encode())
