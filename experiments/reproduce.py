@@ -11,8 +11,9 @@ rerun tries it again. A workdir whose config.json differs from the cell's curren
 file changed) is reported, never overwritten. Compiled programs are cached in DIR/jax_cache (JAX's persistent compilation
 cache), so seeds after the first skip most compilation. The raw-pixel reference row is evaluated
 once per seed and shared by the runs that read the same pixels (DIR/references, keyed by a digest of
-the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv, DIR/table.md and DIR/table.png are rewritten
-(mean ± std over seeds next to the paper's number). `--only` takes cell names or fnmatch patterns
+the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv,
+DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number);
+at the end DIR/curves.png plots each cell's kNN monitor against rounds. `--only` takes cell names or fnmatch patterns
 ('fedbyol.*'); `--list` prints the cells and exits.
 """
 from __future__ import annotations
@@ -164,6 +165,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
   grid.close()
   summary = reproduce.summarize(table, runs, out)
   reproduce.write_outputs(table, summary, out, seeds, command)
+  reproduce.plot_curves(table, reproduce.curves(table, runs, out), out / 'curves.png')
   return summary
 
 

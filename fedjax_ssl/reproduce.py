@@ -3,13 +3,15 @@ the paper's numbers.
 
 A table file (configs/<paper>/<table>.py) defines `get_table(scale) -> Table`. `experiments.reproduce`
 turns it into runs, one workdir per distinct config and seed, and this module turns the runs'
-`results.json` into `table.csv`, `table.md` and `table.png`:
+`results.json` into `table.csv`, `table.md` and `table.png`, and their `metrics.jsonl` into
+`curves.png` (the kNN monitor against rounds):
 
   table = reproduce.load_table('configs/fedssl/fmnist.py', 'quick')
   runs = reproduce.plan_runs(table, seeds=(0, 1, 2))      # every config validated, nothing computed
   ... run each RunSpec through experiments.train.train_and_evaluate(run.config, run.workdir(out))
   summary = reproduce.summarize(table, runs, out)
   reproduce.write_outputs(table, summary, out, seeds)
+  reproduce.plot_curves(table, reproduce.curves(table, runs, out), out / 'curves.png')
 
 Cells whose final configs are identical share one run (e.g. centralized training, which ignores the
 partition column), so a table never trains the same thing twice.
@@ -24,6 +26,7 @@ import json
 import math
 import pathlib
 import re
+import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import ml_collections
@@ -619,6 +622,76 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
   fig.savefig(tmp, dpi=110)
   plt.close(fig)
   tmp.replace(path)
+
+
+def curves(table: Table, runs: Sequence[RunSpec], out: pathlib.Path, metric: str = 'knn_acc'
+           ) -> Dict[Tuple[str, str], Dict[str, Any]]:
+  """(row, column) -> {'rounds': {round: [value per finished seed, %]}, 'raw_pixels': [%]} from the
+  finished (not diverged) runs' metrics.jsonl: the training curve of `metric` (the kNN monitor,
+  logged every config.eval_every rounds and at round 0 for the random-init encoder) and the
+  raw-pixel reference of each seed. A resumed run that logged a round twice counts its last record.
+  """
+  from fedjax_ssl import logging_utils  # pylint: disable=g-import-not-at-top
+  found: Dict[Tuple[str, str], Dict[str, Any]] = {}
+  for run in runs:
+    status, results = run_status(run, out)
+    path = run.workdir(out) / 'metrics.jsonl'
+    if status != 'done' or results.get('status') == 'diverged' or not path.exists():
+      continue
+    by_round = {r['round']: r[metric] for r in logging_utils.read_metrics(str(path))
+                if metric in r and 'round' in r}
+    pixels = results.get('raw_pixels', {}).get(metric)
+    for cell in run.cells:
+      entry = found.setdefault(cell, {'rounds': {}, 'raw_pixels': []})
+      for t, v in by_round.items():
+        entry['rounds'].setdefault(int(t), []).append(100.0 * v)
+      if pixels is not None:
+        entry['raw_pixels'].append(100.0 * pixels)
+  return found
+
+
+def plot_curves(table: Table, found: Mapping[Tuple[str, str], Mapping[str, Any]],
+                path: pathlib.Path, metric: str = 'knn_acc') -> bool:
+  """curves.png: one panel per column, `metric` against rounds per row (mean over the seeds that
+  logged the round, ± std shaded), raw pixels as a dotted line. Written only when some row has a
+  curve (two or more rounds); returns whether it was."""
+  if not any(len(e['rounds']) > 1 for e in found.values()):
+    return False
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  columns = [c for c in table.columns if any(col == c for _, col in found)]
+  fig, axes = plt.subplots(1, len(columns), squeeze=False, figsize=(6.5 * len(columns), 4.6))
+  for ax, column in zip(axes[0], columns):
+    pixels = []
+    for i, row in enumerate(table.rows):
+      entry = found.get((row, column))
+      if entry is None or not entry['rounds']:
+        continue
+      rounds = sorted(entry['rounds'])
+      values = [entry['rounds'][t] for t in rounds]
+      mean = np.array([np.mean(v) for v in values])
+      std = np.array([np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values])
+      n = max(len(v) for v in values)
+      ax.plot(rounds, mean, marker='.', color=f'C{i % 10}', label=f'{row} ({n} seed{"s" * (n > 1)})')
+      ax.fill_between(rounds, mean - std, mean + std, color=f'C{i % 10}', alpha=0.15)
+      pixels += entry['raw_pixels']
+    if pixels:
+      ax.axhline(np.mean(pixels), color='k', ls=':', label='raw pixels')
+    ax.set_title(column, fontsize=9)
+    ax.set_xlabel('round (0 = random-init encoder)')
+    ax.set_ylabel(metric_name(metric))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  title = f'{table.title} — scale {table.scale}'
+  fig.suptitle('\n'.join(textwrap.wrap(title, 60 * len(columns))) +
+               f'\n{metric_name(metric)} against rounds (mean over seeds ± std)', fontsize=9)
+  fig.tight_layout()
+  tmp = path.with_name(path.stem + '.tmp.png')
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  tmp.replace(path)
+  return True
 
 
 def write_outputs(table: Table, summary: Sequence[Dict[str, Any]], out: pathlib.Path,

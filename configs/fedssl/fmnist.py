@@ -64,7 +64,7 @@ CLAIMS = (
 )
 METRICS = ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20')
 
-EVIDENCE_ROWS = ('FedSimCLR', 'FedAvg (supervised)')
+EVIDENCE_ROWS = ('FedBYOL', 'FedSimCLR', 'FedAvg (supervised)')
 SCALES = ('quick', 'evidence', 'paper')
 
 COLUMNS = {

@@ -248,3 +248,37 @@ def test_a_table_refuses_a_scale_it_does_not_define(tmp_path):
     reproduce.load_table(str(path), 'evidence')
   path.write_text("SCALES = ('quick', 'evidence')\n" + TABLE)
   assert reproduce.load_table(str(path), 'evidence').scale == 'evidence'
+
+
+def test_curves_average_each_round_over_the_seeds_that_logged_it(tmp_path):
+  table = _table(rows={'A': dict(ssl_method='simclr')}, columns={'IID': dict(partition='iid')})
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  logs = [[(0, 0.50), (5, 0.60), (10, 0.70)],
+          # Resumed after a kill: round 5 logged twice, the last record counts.
+          [(0, 0.52), (5, 0.10), (5, 0.64), (10, 0.74)],
+          [(0, 0.54), (5, 0.62)]]   # a run diverged at round 7: its curve is left out
+  for run, log in zip(runs, logs):
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'metrics.jsonl').write_text(
+        ''.join(json.dumps({'round': t, 'knn_acc': v, 'loss': 1.0}) + '\n' for t, v in log) +
+        json.dumps({'round': 3, 'loss': 2.0}) + '\n')   # a training record without kNN
+    diverged = run.seed == 2
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': 0.6}, 'random_init': {}, 'raw_pixels': {'knn_acc': 0.8},
+         **({'status': 'diverged', 'diverged': {'round': 7, 'quantity': 'loss'}} if diverged
+            else {})}))
+  found = reproduce.curves(table, runs, tmp_path)
+  assert set(found) == {('A', 'IID')}
+  got = found[('A', 'IID')]
+  assert sorted(got['rounds']) == [0, 5, 10]
+  np.testing.assert_allclose(got['rounds'][0], [50.0, 52.0], rtol=1e-12)
+  np.testing.assert_allclose(got['rounds'][5], [60.0, 64.0], rtol=1e-12)
+  np.testing.assert_allclose(got['rounds'][10], [70.0, 74.0], rtol=1e-12)
+  np.testing.assert_allclose(got['raw_pixels'], [80.0, 80.0], rtol=1e-12)
+  assert reproduce.plot_curves(table, found, tmp_path / 'curves.png')
+  assert (tmp_path / 'curves.png').stat().st_size > 0
+  # No run has two logged rounds: nothing to plot, no file.
+  one_round = {('A', 'IID'): {'rounds': {0: [50.0]}, 'raw_pixels': []}}
+  assert not reproduce.plot_curves(table, one_round, tmp_path / 'none.png')
+  assert not (tmp_path / 'none.png').exists()
