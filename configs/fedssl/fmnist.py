@@ -21,11 +21,14 @@ Scales:
     docs/results/fedssl/fmnist_quick/table.md.
   evidence — the budget where FedSimCLR learns (docs/results/fedssl/budget): the quickstart's setting
     (first 20,000 training images, 10 clients, Dirichlet(0.5), 1 local epoch, batch 128, SGD 0.1
-    cosine, SimCLR temperature 0.2, the fedsc crop) with the small CNN for 50 rounds. Rows FedSimCLR
-    and supervised FedAvg (at lr 0.05: at 0.1 one seed diverged), one column: about 15 minutes a run on the quiet 2-core box (30 with the
-    cores shared), so the 6 runs fit the 2-hour budget of a table; FedBYOL (a further 45-90 min) has
-    not been run at this scale yet. Measured (3 seeds): FedSimCLR probe 85.04 ± 0.39, supervised
-    FedAvg 86.60 ± 0.40, random init 82.46, raw pixels 83.85 (docs/results/fedssl/evidence/table.md).
+    cosine, SimCLR temperature 0.2, the fedsc crop) with the small CNN for 50 rounds. Rows FedBYOL,
+    FedSimCLR and supervised FedAvg (at lr 0.05: at 0.1 one seed diverged), one column: 12-15 min a
+    SimCLR run and 17-22 min a BYOL run on one quiet core, so the 9 runs fit the 2-hour budget of a
+    table on 2 cores. Measured (3 seeds; docs/results/fedssl/evidence/table.md, its kNN curves in
+    curves.png): FedSimCLR probe 85.04 ± 0.39, FedBYOL 83.03 ± 0.64, supervised FedAvg
+    86.60 ± 0.40, random init 82.46, raw pixels 83.85; kNN 77.79 ± 0.47 / 76.17 ± 1.16 /
+    82.57 ± 0.34 / 76.84 / 80.69. FedBYOL has not learned at this budget (its kNN falls to 73 at
+    round 10 and is still climbing at round 50: docs/notes/evaluation.md#eval-17).
   paper — the EasyFL/FedEMA protocol on the full 60,000 images: 10 clients, 100 rounds of
     5 local epochs, batch 128, SGD 0.032 cosine, weight decay 5e-4, BYOL EMA 0.99, probe 100 epochs
     (a GPU run).
