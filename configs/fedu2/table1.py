@@ -25,11 +25,13 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds, 10 and 30 client
 to QUICK_FINETUNE_EPOCHS = 10 epochs (tested at 5 and 10) to fit a 2-core CPU; no paper number
 applies.
 evidence: fedu2_common.evidence_base (the FedSSL evidence budget: first 20,000 images, small CNN,
-50 rounds, Dirichlet(0.1), 10 clients); rows FedSimCLR, FedU2-SimCLR and supervised FedAvg, no
-fine-tuning, 12-15 min a run on one core. Measured (docs/results/fedu2/table1_fmnist_evidence/, 3
-seeds): FedU2-SimCLR probe 84.57 ± 0.51 against FedSimCLR 84.61 ± 0.18 (the claim not confirmed),
-kNN 75.71 ± 0.52 against 76.73 ± 0.74; supervised FedAvg 86.64 ± 0.82 / 81.86 ± 1.56; random
-init 82.42 / 76.38, raw pixels 83.94 / 80.69 (docs/notes/fedu2.md#fedu2-e5).
+50 rounds, Dirichlet(0.1), 10 clients); rows FedSimCLR, FedU2-SimCLR, the SimCLR group's baselines
+L-DAWA-SimCLR and FedX-SimCLR, and supervised FedAvg, every row at one budget (lr 0.1), no
+fine-tuning; 12-15 min a run on one core (FedX 27 min). Measured
+(docs/results/fedu2/table1_fmnist_evidence/, 3 seeds): probe FedU2-SimCLR 84.57 ± 0.51, FedSimCLR
+84.61 ± 0.18 (the claim not confirmed), L-DAWA-SimCLR 84.65 ± 0.60, FedX-SimCLR 83.99 ± 0.16; kNN
+75.71 ± 0.52 / 76.73 ± 0.74 / 76.70 ± 0.64 / 68.38 ± 1.84; supervised FedAvg 86.64 ± 0.82 / 81.86 ±
+1.56; random init 82.46 / 76.84, raw pixels 83.85 / 80.69 (docs/notes/fedu2.md#fedu2-e5, #fedu2-e6).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
@@ -131,8 +133,8 @@ def get_table(scale: str) -> reproduce.Table:
 
 
 def _evidence_table() -> reproduce.Table:
-  """Table 1's claim for SimCLR, the base method that learns at the FedSSL evidence budget (FedBYOL
-  has not been shown to: docs/results/fedssl/evidence), scored by the evaluation protocol."""
+  """Table 1's SimCLR group (the base method that learns at the FedSSL evidence budget; FedBYOL does
+  not: docs/results/fedssl/evidence) with its baselines, scored by the evaluation protocol."""
   names = ('FedSimCLR', 'FedU2-SimCLR', 'L-DAWA-SimCLR', 'FedX-SimCLR', 'FedAvg (supervised)')
   return reproduce.Table(
       name='fedu2_table1',
