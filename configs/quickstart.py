@@ -22,8 +22,9 @@ Expected (seeds 0, 1, 2; mean ± std over seeds, percent; measured 2026-11-25 fr
 So in ten minutes the encoder clearly learns (kNN +9.6 points over its random init on every seed)
 but it is not yet a better representation than the pixels themselves: the probe gains +1.9 (seed
 range +1.3 to +2.5), and 1 %-label kNN trails standardised pixels by 5-6 points. What closing that
-gap takes (a wider encoder, 50+ rounds) is measured in docs/results/fedssl/budget/table.md: the small
-CNN beats raw pixels on the full-label probe (85.3-85.6 vs 84.1) but not on 1 %-label kNN.
+gap takes is measured in docs/results/fedssl/budget/table.md: the small CNN beats raw pixels on the
+full-label probe (85.3-85.7 vs 84.1) and, at 100 rounds, on 1 %-label kNN by under a point (71.3 vs
+70.5); its kNN stops rising after 50 rounds, so the rest needs a stronger encoder or more data.
 WORKDIR/metrics.png plots loss, kNN and the probe against rounds (round 0 = random init).
 
 Why LeNet-5: its 84-d Tanh feature layer after global average pooling gives weak random features,
