@@ -13,8 +13,8 @@ cache), so seeds after the first skip most compilation. The raw-pixel reference 
 once per seed and shared by the runs that read the same pixels (DIR/references, keyed by a digest of
 the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv,
 DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number);
-at the end DIR/curves.png plots each cell's kNN monitor against rounds. `--only` takes cell names or fnmatch patterns
-('fedbyol.*'); `--list` prints the cells and exits.
+at the end DIR/curves.png plots each cell's kNN monitor against rounds. `--only` takes cell names
+or fnmatch patterns ('fedbyol.*'); `--list` prints the cells and exits.
 """
 from __future__ import annotations
 

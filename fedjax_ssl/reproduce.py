@@ -618,6 +618,12 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
   fig.suptitle(f'{table.title} — scale {table.scale}\nbars: mean over seeds (dots) ± std; '
                'dashed: random-init encoder; red x: paper', fontsize=9)
   fig.tight_layout()
+  _save_figure(fig, path)
+
+
+def _save_figure(fig, path: pathlib.Path) -> None:
+  """Writes `fig` to `path` atomically (a reader never sees half a PNG) and closes it."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   tmp = path.with_name(path.stem + '.tmp.png')
   fig.savefig(tmp, dpi=110)
   plt.close(fig)
@@ -631,6 +637,7 @@ def curves(table: Table, runs: Sequence[RunSpec], out: pathlib.Path, metric: str
   logged every config.eval_every rounds and at round 0 for the random-init encoder) and the
   raw-pixel reference of each seed. A resumed run that logged a round twice counts its last record.
   """
+  # Imported here: table files import this module, and logging_utils pulls in tensorboardX.
   from fedjax_ssl import logging_utils  # pylint: disable=g-import-not-at-top
   found: Dict[Tuple[str, str], Dict[str, Any]] = {}
   for run in runs:
@@ -687,10 +694,7 @@ def plot_curves(table: Table, found: Mapping[Tuple[str, str], Mapping[str, Any]]
   fig.suptitle('\n'.join(textwrap.wrap(title, 60 * len(columns))) +
                f'\n{metric_name(metric)} against rounds (mean over seeds ± std)', fontsize=9)
   fig.tight_layout()
-  tmp = path.with_name(path.stem + '.tmp.png')
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  tmp.replace(path)
+  _save_figure(fig, path)
   return True
 
 
