@@ -47,6 +47,9 @@ ENCODERS: Dict[str, EncoderSpec] = {
     'fixup_resnet20': EncoderSpec(FixupResNet20, dict(widen=8), (32, 32, 3)),
     # Small encoders: the project benchmark CNN and Hetero-SSFL's small clients.
     'small_cnn': EncoderSpec(SmallCNN, {}, (28, 28, 1)),
+    # Twice small_cnn's conv channels (3.2x its MACs): the wider encoder of the evidence budget
+    # search (docs/notes/evaluation.md#eval-19).
+    'small_cnn_wide': EncoderSpec(SmallCNN, dict(conv_features=(32, 64)), (28, 28, 1)),
     'cross_device_cnn': EncoderSpec(
         SmallCNN, dict(conv_features=(32, 64), dense_features=(128,), relu_features=True),
         (32, 32, 3)),

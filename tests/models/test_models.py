@@ -181,6 +181,8 @@ def test_small_encoder_param_counts():
   cases = {
       'small_cnn': (conv_count(3, 1, 16, True) + conv_count(3, 16, 32, True)
                     + dense_count(7 * 7 * 32, 256) + dense_count(256, 128)),
+      'small_cnn_wide': (conv_count(3, 1, 32, True) + conv_count(3, 32, 64, True)
+                         + dense_count(7 * 7 * 64, 256) + dense_count(256, 128)),
       'hetero_cnn': (conv_count(5, 3, 64, True) + conv_count(5, 64, 128, True)
                      + dense_count(5 * 5 * 128, 256) + dense_count(256, 128)),
       'mlp': dense_count(3072, 512) + dense_count(512, 256) + dense_count(256, 128),
@@ -516,7 +518,7 @@ def test_fixup_forward_with_nonzero_params():
 # ----------------------------------------------------------------------------- encoders / registry
 
 EXPECTED_DIMS = {'resnet18': 512, 'resnet34': 512, 'resnet50': 2048, 'lenet5': 84, 'resnet9': 128,
-                 'resnet18_repshare': 256, 'fixup_resnet20': 512, 'small_cnn': 128,
+                 'resnet18_repshare': 256, 'fixup_resnet20': 512, 'small_cnn': 128, 'small_cnn_wide': 128,
                  'hetero_cnn': 128, 'mlp': 128, 'cross_device_cnn': 128}
 
 
