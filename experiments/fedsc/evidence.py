@@ -6,7 +6,8 @@ r"""FedSC's privacy-utility evidence from a finished reproduce directory.
 For every row of the table (each a method or a privacy level) it reads the runs' results.json and
 metrics.jsonl and writes
   OUT/privacy.md         epsilon from the run's own ledger (dp-accounting RDP), sigma, shares, and
-                         linear probe / kNN as mean +- std over seeds;
+                         the protocol's linear probe and kNN at 100 % and 1 % of the labels as
+                         mean +- std over seeds, with the random-init and raw-pixel rows;
   OUT/privacy_utility.png  probe and kNN accuracy against the ledger's epsilon (eps = inf at the
                          right edge), FedAvg + SC as a horizontal reference;
   OUT/knn_rounds.png     kNN accuracy against rounds per row, mean over seeds (the paper's Fig. 2).
@@ -30,6 +31,12 @@ _TABLE = flags.DEFINE_string('table', 'configs/fedsc/dp.py', 'The table that mad
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds to read.')
 _SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES), 'Scale of the table.')
 
+# The columns of privacy.md: results.json keys of the evaluation protocol, and their headers.
+METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % labels (%)'),
+           ('knn_acc', 'kNN (%)'), ('knn_acc_1pct', 'kNN, 1 % labels (%)'))
+# Reference rows: the results.json entry that holds them, and their label.
+REFERENCES = (('random_init', 'random-init encoder'), ('raw_pixels', 'raw pixels'))
+
 
 def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
   """row -> list of per-seed dicts (final metrics, privacy summary, kNN curve) of finished runs."""
@@ -42,9 +49,10 @@ def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
     records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
     curve = [(r['round'], r['knn_acc']) for r in records if 'knn_acc' in r]
     for row, _ in run.cells:
-      rows.setdefault(row, []).append({'seed': run.seed, 'final': results['final'],
-                                       'algorithm': results['algorithm'],
-                                       'privacy': results.get('privacy', {}), 'knn_curve': curve})
+      rows.setdefault(row, []).append({
+          'seed': run.seed, 'final': results['final'], 'algorithm': results['algorithm'],
+          'privacy': results.get('privacy', {}), 'knn_curve': curve,
+          **{key: results.get(key, {}) for key, _ in REFERENCES}})
   return rows
 
 
@@ -52,6 +60,15 @@ def _mean_std(values):
   values = [100.0 * v for v in values]
   std = float(np.std(values, ddof=1)) if len(values) > 1 else float('nan')
   return float(np.mean(values)), std
+
+
+def _accuracies(entry: dict, per_seed: list) -> dict:
+  """entry updated with METRICS' mean +- std (percent) over the per-seed dicts that hold them."""
+  for metric, _ in METRICS:
+    vals = [m[metric] for m in per_seed if metric in m]
+    if vals:
+      entry[metric] = _mean_std(vals)
+  return entry
 
 
 def summarize(rows: dict) -> list:
@@ -64,32 +81,44 @@ def summarize(rows: dict) -> list:
     entry = {'row': row, 'n': len(runs), 'epsilon': None if shares_nothing else max(eps),
              'sigma': runs[0]['privacy'].get('sigma', 0.0),
              'shares_max': runs[0]['final'].get('shares_max')}
-    for metric in ('probe_acc', 'knn_acc', 'probe_std_acc'):
-      vals = [r['final'][metric] for r in runs if metric in r['final']]
-      if vals:
-        entry[metric] = _mean_std(vals)
-    out.append(entry)
+    out.append(_accuracies(entry, [r['final'] for r in runs]))
   return out
 
 
-def markdown(summary: list, title: str) -> str:
+def summarize_references(rows: dict) -> list:
+  """One dict per reference row ('row', 'n' seeds, accuracies mean +- std in percent). Every row's
+  runs read the same images, so each seed's reference is read once, from any of its runs."""
+  by_seed = {r['seed']: r for runs in rows.values() for r in runs}
+  out = []
+  for key, label in REFERENCES:
+    per_seed = [r[key] for r in by_seed.values() if r[key]]
+    if per_seed:
+      out.append(_accuracies({'row': label, 'n': len(per_seed)}, per_seed))
+  return out
+
+
+def markdown(summary: list, references: list, title: str) -> str:
+  header = ' | '.join(label for _, label in METRICS)
   lines = [f'# {title}', '',
-           '| row | epsilon (ledger) | sigma | shares / client | linear probe (%) | kNN (%) | '
-           'probe, standardised (%) | seeds |', '|---|---|---|---|---|---|---|---|']
+           f'| row | epsilon (ledger) | sigma | shares / client | {header} | seeds |',
+           '|---' * (5 + len(METRICS)) + '|']
   for e in summary:
-    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–'
-             for m in ('probe_acc', 'knn_acc', 'probe_std_acc')]
+    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–' for m, _ in METRICS]
     eps = ('– (shares nothing)' if e['epsilon'] is None else
            '∞' if math.isinf(e['epsilon']) else f'{e["epsilon"]:.3f}')
     sigma = f'{e["sigma"]:.4g}' if e['sigma'] else '0'
     shares = '–' if e['shares_max'] is None else f'{int(e["shares_max"])}'
     lines.append(f'| {e["row"]} | {eps} | {sigma} | {shares} | ' + ' | '.join(cells) +
                  f' | {e["n"]} |')
+  for e in references:
+    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–' for m, _ in METRICS]
+    lines.append(f'| *{e["row"]}* | | | | ' + ' | '.join(cells) + f' | {e["n"]} |')
   return '\n'.join(lines) + '\n'
 
 
-def plot_privacy_utility(summary: list, path: pathlib.Path) -> None:
-  """Accuracy against epsilon; eps = inf drawn at 2x the largest finite epsilon."""
+def plot_privacy_utility(summary: list, references: list, path: pathlib.Path) -> None:
+  """Accuracy against epsilon; eps = inf drawn at 2x the largest finite epsilon; FedAvg + SC
+  dashed, the reference rows dotted."""
   finite = [e['epsilon'] for e in summary
             if e['epsilon'] is not None and math.isfinite(e['epsilon'])]
   inf_x = 2 * max(finite) if finite else 1.0
@@ -105,6 +134,9 @@ def plot_privacy_utility(summary: list, path: pathlib.Path) -> None:
       x = e['epsilon'] if math.isfinite(e['epsilon']) else inf_x
       ax.errorbar([x], [mean], yerr=[0 if math.isnan(std) else std], fmt='o', capsize=4,
                   label=e['row'])
+    for e in references:
+      if metric in e:
+        ax.axhline(e[metric][0], color='black', ls=':', label=e['row'])
     ax.set_xscale('log')
     ax.set_xlabel(f'epsilon (ledger; inf drawn at {inf_x:.3g})')
     ax.set_ylabel(label)
@@ -133,24 +165,31 @@ def plot_knn_rounds(rows: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def write_evidence(table: reproduce.Table, seeds, out: pathlib.Path) -> str:
+  """Writes privacy.md, privacy.json and the two plots from out's finished runs; returns the
+  markdown."""
+  rows = collect(table, seeds, out)
+  if not rows:
+    raise app.UsageError(f'no finished runs of {table.name} under {out}/runs')
+  summary, references = summarize(rows), summarize_references(rows)
+  text = markdown(summary, references, table.title)
+  (out / 'privacy.md').write_text(text)
+  # Strict JSON has no Infinity: 'inf' for FedSC without DP, null for FedAvg + SC (no matrices).
+  (out / 'privacy.json').write_text(json.dumps({
+      'rows': [dict(e, epsilon=e['epsilon'] if e['epsilon'] is not None and
+                    math.isfinite(e['epsilon']) else None if e['epsilon'] is None else 'inf')
+               for e in summary],
+      'references': references}, indent=2))
+  plot_privacy_utility(summary, references, out / 'privacy_utility.png')
+  plot_knn_rounds(rows, out / 'knn_rounds.png')
+  return text
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  out = pathlib.Path(_OUT.value)
   table = reproduce.load_table(_TABLE.value, _SCALE.value)
-  rows = collect(table, [int(s) for s in _SEEDS.value], out)
-  if not rows:
-    raise app.UsageError(f'no finished runs of {table.name} under {out}/runs')
-  summary = summarize(rows)
-  (out / 'privacy.md').write_text(markdown(summary, table.title))
-  # Strict JSON has no Infinity: 'inf' for FedSC without DP, null for FedAvg + SC (no matrices).
-  (out / 'privacy.json').write_text(json.dumps(
-      [dict(e, epsilon=e['epsilon'] if e['epsilon'] is not None and math.isfinite(e['epsilon'])
-            else None if e['epsilon'] is None else 'inf') for e in summary],
-      indent=2))
-  plot_privacy_utility(summary, out / 'privacy_utility.png')
-  plot_knn_rounds(rows, out / 'knn_rounds.png')
-  print(markdown(summary, table.title))
+  print(write_evidence(table, [int(s) for s in _SEEDS.value], pathlib.Path(_OUT.value)))
 
 
 if __name__ == '__main__':
