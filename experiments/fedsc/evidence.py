@@ -134,9 +134,9 @@ def plot_privacy_utility(summary: list, references: list, path: pathlib.Path) ->
       x = e['epsilon'] if math.isfinite(e['epsilon']) else inf_x
       ax.errorbar([x], [mean], yerr=[0 if math.isnan(std) else std], fmt='o', capsize=4,
                   label=e['row'])
-    for e in references:
+    for e, color in zip(references, ('black', 'tab:brown')):
       if metric in e:
-        ax.axhline(e[metric][0], color='black', ls=':', label=e['row'])
+        ax.axhline(e[metric][0], color=color, ls=':', label=e['row'])
     ax.set_xscale('log')
     ax.set_xlabel(f'epsilon (ledger; inf drawn at {inf_x:.3g})')
     ax.set_ylabel(label)
