@@ -97,22 +97,24 @@ def summarize_references(rows: dict) -> list:
   return out
 
 
+def _cells(entry: dict) -> str:
+  """METRICS' 'mean ± std' cells of one summary entry, '–' where it has none."""
+  return ' | '.join(f'{entry[m][0]:.2f} ± {entry[m][1]:.2f}' if m in entry else '–'
+                    for m, _ in METRICS)
+
+
 def markdown(summary: list, references: list, title: str) -> str:
   header = ' | '.join(label for _, label in METRICS)
   lines = [f'# {title}', '',
            f'| row | epsilon (ledger) | sigma | shares / client | {header} | seeds |',
            '|---' * (5 + len(METRICS)) + '|']
   for e in summary:
-    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–' for m, _ in METRICS]
     eps = ('– (shares nothing)' if e['epsilon'] is None else
            '∞' if math.isinf(e['epsilon']) else f'{e["epsilon"]:.3f}')
     sigma = f'{e["sigma"]:.4g}' if e['sigma'] else '0'
     shares = '–' if e['shares_max'] is None else f'{int(e["shares_max"])}'
-    lines.append(f'| {e["row"]} | {eps} | {sigma} | {shares} | ' + ' | '.join(cells) +
-                 f' | {e["n"]} |')
-  for e in references:
-    cells = [f'{e[m][0]:.2f} ± {e[m][1]:.2f}' if m in e else '–' for m, _ in METRICS]
-    lines.append(f'| *{e["row"]}* | | | | ' + ' | '.join(cells) + f' | {e["n"]} |')
+    lines.append(f'| {e["row"]} | {eps} | {sigma} | {shares} | {_cells(e)} | {e["n"]} |')
+  lines += [f'| *{e["row"]}* | | | | {_cells(e)} | {e["n"]} |' for e in references]
   return '\n'.join(lines) + '\n'
 
 
