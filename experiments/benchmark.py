@@ -110,44 +110,8 @@ from fedjax_ssl.data.types import DataInfo  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402
 from fedjax_ssl.data.types import Dataset, FedData  # noqa: E402
 
-_SETTING = flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale', 'conv_layers'],
-                             'Which round to time (module docstring).')
-_PARTICIPANTS = flags.DEFINE_integer(
-    'participants', 0, 'Clients sampled per round; 0 = every client (byol) or 50 (cross_device).')
-_OUT = flags.DEFINE_string('out', 'results.json', 'Where to write the JSON results.')
-_ALPHA = flags.DEFINE_float('alpha', 0.1, 'Dirichlet alpha of the skewed partition (--setting=scale; '
-                            'alpha = 0.1 cannot give every one of 1000 Fashion-MNIST clients an '
-                            'example, use 0.5 there).')
-_MODELS = flags.DEFINE_list('models', ['small_cnn', 'resnet18'], 'Encoders to benchmark.')
-_CLIENTS = flags.DEFINE_list('clients', ['10', '100'], 'Client counts (all participate).')
-_STEPS = flags.DEFINE_integer('local_steps', 5, 'Local steps per client per round.')
-_BATCH = flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
-_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed rounds per variant (after one warm-up).')
-_VARIANTS = flags.DEFINE_list('variants', ['stepwise', 'sequential', 'vmap', 'map', 'map10', 'shard'],
-                              'Which execution variants to time.')
-_AUGMENTATIONS = flags.DEFINE_list(
-    'augmentations', ['byol_easyfl', 'flip'],
-    "Augmentation presets of the views, one row each ('flip' = model compute, beside PyTorch).")
-_TORCH = flags.DEFINE_bool(
-    'torch', True, 'Time the eager-PyTorch round (experiments/torch_round.py) beside the '
-    "'flip' rows of small_cnn when torch is importable.")
-_INTERLEAVE = flags.DEFINE_bool(
-    'interleave', True,
-    'Keep every variant of a setting resident and interleave their timed rounds (robust ratios on a '
-    'machine whose speed drifts). --nointerleave times one variant at a time and frees it before the '
-    'next: for settings whose variants do not fit in memory together (ResNet-18 on CPU).')
-_PRECISIONS = flags.DEFINE_list(
-    'precisions', ['float32'],
-    "config.precision values to time every JAX variant at (float32 | bfloat16); a variant at a "
-    "precision other than float32 is reported as '<variant>/<precision>'. PyTorch stays float32.")
-_PEAK_TFLOPS = flags.DEFINE_list(
-    'peak_tflops', [],
-    'Peak TFLOP/s of the device, one value for every precision or one per --precisions entry, for '
-    'mfu = achieved FLOP/s / peak (H100 SXM dense: ~67 float32 without tensor cores, ~495 TF32, '
-    '~989 bf16). Empty: no mfu.')
-_MAX_SECONDS = flags.DEFINE_float(
-    'max_variant_seconds', 600.0,
-    'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).')
+FLAGS = flags.FLAGS
+
 
 # Native input of each benchmark model, and its heads: BYOL projector/predictor sized to the encoder.
 _SETTINGS = {
@@ -167,7 +131,7 @@ MODEL_COMPUTE = 'flip'  # the preset whose rows compare with eager PyTorch
 
 def participants(num_clients: int) -> int:
   """m of a setting with `num_clients` clients: --participants (capped at C), 0 = every client."""
-  return min(_PARTICIPANTS.value, num_clients) if _PARTICIPANTS.value else num_clients
+  return min(FLAGS.participants, num_clients) if FLAGS.participants else num_clients
 
 
 def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentation: str,
@@ -179,12 +143,12 @@ def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentatio
   c.num_clients = num_clients
   c.clients_per_round = participants(num_clients)
   c.local_epochs = 1
-  c.batch_size = _BATCH.value
+  c.batch_size = FLAGS.batch_size
   c.lr = 0.05
   c.strategy = strategy
   c.map_chunk_size = chunk
   c.augmentation = augmentation
-  if _SETTING.value == 'cross_device':
+  if FLAGS.setting == 'cross_device':
     c.algorithm, c.ssl_method = 'fedavg', 'supervised'
     c.optimizer, c.momentum, c.weight_decay = 'sgd', 0.0, 0.0
     c.lr, c.lr_schedule = 0.1, 'constant'
@@ -263,12 +227,12 @@ def torch_available() -> bool:
 def flops_per_client_step(model: str, augmentation: str) -> float:
   """XLA's flop count of one jitted local step (batch B, augmentation included) of the benchmark."""
   config = _config(model, 1, 'vmap', 1, augmentation)
-  fed, ds = _data(_SETTINGS[model]['shape'], 1, _BATCH.value)
+  fed, ds = _data(_SETTINGS[model]['shape'], 1, FLAGS.batch_size)
   algo = experiment.build_algorithm(config, ds)
   state = rd.init_state(algo, jax.random.PRNGKey(0), 1)
   msg = algo.broadcast(state.server)
   client = restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], state.clients), msg)
-  batch = {'x': fed.x[:_BATCH.value], 'y': fed.y[:_BATCH.value]}
+  batch = {'x': fed.x[:FLAGS.batch_size], 'y': fed.y[:FLAGS.batch_size]}
   cost = jax.jit(algo.local_step).lower(client, batch, jax.random.PRNGKey(0), msg,
                                         jnp.float32(0.05)).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -282,7 +246,7 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   Returns a dict whose 'run'(r) runs (and waits for) timed round r."""
   if variant == 'torch':
     from experiments import torch_round  # pylint: disable=g-import-not-at-top
-    one_round = torch_round.build_round(num_clients, _STEPS.value, _BATCH.value)
+    one_round = torch_round.build_round(num_clients, FLAGS.local_steps, FLAGS.batch_size)
     t0 = time.perf_counter()
     one_round()
     return dict(run=lambda r: one_round(), times=[], first=time.perf_counter() - t0)
@@ -290,7 +254,7 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   if strategy == 'shard' and num_clients % jax.device_count():
     return {'skipped': f'{num_clients} clients not divisible by {jax.device_count()} devices'}
   config = _config(model, num_clients, strategy, chunk, augmentation, precision)
-  fed, ds = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
+  fed, ds = _data(_SETTINGS[model]['shape'], num_clients, FLAGS.local_steps * FLAGS.batch_size)
   algo = experiment.build_algorithm(config, ds)
   rcfg = experiment.round_config(config)
   if variant == 'map_whole_state':
@@ -326,7 +290,7 @@ def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: 
   if 'skipped' in p:
     return p
   sec = statistics.median(p['times'])
-  steps = participants(num_clients) * _STEPS.value
+  steps = participants(num_clients) * FLAGS.local_steps
   out = {'seconds_per_round': sec, 'rounds_timed': len(p['times']),
          'first_call_seconds': p['first'], 'compile_seconds_est': max(p['first'] - sec, 0.0),
          'client_steps_per_second': steps / sec, 'gflops': flops_per_step * steps / sec / 1e9,
@@ -356,14 +320,14 @@ def time_setting(model: str, num_clients: int, variants: List[str], augmentation
   # The model's work, counted once in float32 for every precision: a bf16 program's own count
   # also counts its casts (~10 % more on small_cnn), which are no model FLOPs.
   flops = flops_per_client_step(model, augmentation)
-  if not _INTERLEAVE.value:
+  if not FLAGS.interleave:
     results = {}
     for name, v, q in jobs:
       p = prepare_variant(model, num_clients, v, augmentation, q)
       if 'skipped' not in p:
-        for r in range(1, _REPEATS.value + 1):
+        for r in range(1, FLAGS.repeats + 1):
           _time_round(p, r)
-          if p['times'][-1] > _MAX_SECONDS.value:
+          if p['times'][-1] > FLAGS.max_variant_seconds:
             break
       results[name] = _summary(p, v, num_clients, flops, q)
       del p  # this variant's state and executables go before the next one is built
@@ -371,10 +335,10 @@ def time_setting(model: str, num_clients: int, variants: List[str], augmentation
     return results
   prepared = {name: prepare_variant(model, num_clients, v, augmentation, q) for name, v, q in jobs}
   live = [name for name, _, _ in jobs if 'skipped' not in prepared[name]]
-  for r in range(_REPEATS.value):
+  for r in range(FLAGS.repeats):
     for name in list(live):
       _time_round(prepared[name], r + 1)
-      if prepared[name]['times'][-1] > _MAX_SECONDS.value:
+      if prepared[name]['times'][-1] > FLAGS.max_variant_seconds:
         live.remove(name)
   return {name: _summary(prepared[name], v, num_clients, flops, q) for name, v, q in jobs}
 
@@ -383,22 +347,22 @@ def variant_precisions(variants: List[str]) -> List[Tuple[str, str, str]]:
   """(reported name, variant, precision) of every timed job: each variant at each of --precisions,
   named '<variant>' at float32 and '<variant>/<precision>' otherwise; 'torch' (eager PyTorch) only
   at float32."""
-  return [(v if q == 'float32' else f'{v}/{q}', v, q) for q in _PRECISIONS.value for v in variants
+  return [(v if q == 'float32' else f'{v}/{q}', v, q) for q in FLAGS.precisions for v in variants
           if v != 'torch' or q == 'float32']
 
 
 def peak_tflops(precision: str) -> float:
   """--peak_tflops for `precision` (0 = not given: no mfu)."""
-  peaks = [float(p) for p in _PEAK_TFLOPS.value]
+  peaks = [float(p) for p in FLAGS.peak_tflops]
   if not peaks:
     return 0.0
-  return peaks[0] if len(peaks) == 1 else peaks[list(_PRECISIONS.value).index(precision)]
+  return peaks[0] if len(peaks) == 1 else peaks[list(FLAGS.precisions).index(precision)]
 
 
 def setting_variants(model: str, augmentation: str) -> List[str]:
   """--variants, plus 'torch' for the model-compute rows of small_cnn when torch is importable."""
-  variants = list(_VARIANTS.value)
-  if (_TORCH.value and model == 'small_cnn' and augmentation == MODEL_COMPUTE and
+  variants = list(FLAGS.variants)
+  if (FLAGS.torch and model == 'small_cnn' and augmentation == MODEL_COMPUTE and
       torch_available()):
     variants.append('torch')
   return variants
@@ -407,19 +371,19 @@ def setting_variants(model: str, augmentation: str) -> List[str]:
 def run() -> List[Dict]:
   rows = []
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
-          'setting': _SETTING.value, 'participants': _PARTICIPANTS.value,
+          'setting': FLAGS.setting, 'participants': FLAGS.participants,
           'cpu_affinity': sorted(os.sched_getaffinity(0)),
-          'default_strategy': strategies.default_strategy(), 'local_steps': _STEPS.value,
-          'batch_size': _BATCH.value, 'augmentations': list(_AUGMENTATIONS.value),
+          'default_strategy': strategies.default_strategy(), 'local_steps': FLAGS.local_steps,
+          'batch_size': FLAGS.batch_size, 'augmentations': list(FLAGS.augmentations),
           'jax': jax.__version__, 'malloc': os.environ.get('FEDJAX_SSL_MALLOC')}
   if torch_available():
     import torch  # pylint: disable=g-import-not-at-top
     info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
   print(json.dumps(info))
   comparisons = BASELINES + ('torch',)
-  for model in _MODELS.value:
-    for augmentation in _AUGMENTATIONS.value:
-      for num_clients in [int(c) for c in _CLIENTS.value]:
+  for model in FLAGS.models:
+    for augmentation in FLAGS.augmentations:
+      for num_clients in [int(c) for c in FLAGS.clients]:
         results = time_setting(model, num_clients, setting_variants(model, augmentation),
                                augmentation)
         for variant, r in results.items():
@@ -434,7 +398,7 @@ def run() -> List[Dict]:
           base = results.get(name.split('/')[0], {}).get('seconds_per_round')
           if '/' in name and base and 'seconds_per_round' in r:
             r['speedup_vs_float32'] = base / r['seconds_per_round']
-        fed, _ = _data(_SETTINGS[model]['shape'], num_clients, _STEPS.value * _BATCH.value)
+        fed, _ = _data(_SETTINGS[model]['shape'], num_clients, FLAGS.local_steps * FLAGS.batch_size)
         row = {'model': model, 'augmentation': augmentation, 'clients': num_clients,
                'participants': participants(num_clients), 'results': results,
                'data_mb': _tree_mb(fed),
@@ -452,7 +416,7 @@ def run() -> List[Dict]:
                   flush=True)
         print(f'==> {model} {augmentation} C={num_clients}: GFLOP/s: ' + ', '.join(
             f'{v}: {r["gflops"]:.1f}' for v, r in results.items() if 'gflops' in r), flush=True)
-        if _PEAK_TFLOPS.value:
+        if FLAGS.peak_tflops:
           print(f'==> {model} {augmentation} C={num_clients}: MFU: ' + ', '.join(
               f'{v}: {100 * r["mfu"]:.2f}%' for v, r in results.items() if 'mfu' in r), flush=True)
   return [info] + rows
@@ -502,13 +466,13 @@ def run_scale() -> List[Dict]:
   the participants' real steps), resident device MB between rounds, the device program's MB."""
   dataset = experiment.load_data(_scale_config(10, 2.0, 'device'))
   info = {'backend': jax.default_backend(), 'devices': [str(d) for d in jax.devices()],
-          'setting': 'scale', 'jax': jax.__version__, 'repeats': _REPEATS.value,
-          'alpha': _ALPHA.value,
+          'setting': 'scale', 'jax': jax.__version__, 'repeats': FLAGS.repeats,
+          'alpha': FLAGS.alpha,
           'cpu_affinity': sorted(os.sched_getaffinity(0))}
   print(json.dumps(info))
   rows = []
-  for num_clients in [int(c) for c in _CLIENTS.value]:
-    for scheme, kw in (('iid', {}), ('dirichlet', {'alpha': _ALPHA.value})):
+  for num_clients in [int(c) for c in FLAGS.clients]:
+    for scheme, kw in (('iid', {}), ('dirichlet', {'alpha': FLAGS.alpha})):
       fed, _ = partition.build_fed_data(dataset, num_clients, scheme, seed=0, **kw)
       n = np.asarray(fed.n)
       row_bytes = int(np.prod(fed.x.shape[1:])) + 4  # image + label
@@ -519,7 +483,7 @@ def run_scale() -> List[Dict]:
              'padded_data_mb': num_clients * int(n.max()) * row_bytes / 2**20,
              'real_data_mb': int(n.sum()) * row_bytes / 2**20, 'results': {}}
       prepared = {}
-      for variant in _VARIANTS.value:
+      for variant in FLAGS.variants:
         shrink, placement = SCALE_VARIANTS[variant]
         config = _scale_config(num_clients, shrink, placement)
         algo = experiment.build_algorithm(config, dataset)
@@ -535,7 +499,7 @@ def run_scale() -> List[Dict]:
         # Resident on the device between rounds: the data and the state's device arrays.
         prepared[variant]['resident_mb'] = _device_tree_mb((fed, state))
         del state
-      for r in range(1, _REPEATS.value + 1):  # interleaved: drift hits every variant alike
+      for r in range(1, FLAGS.repeats + 1):  # interleaved: drift hits every variant alike
         key = rng.round_key(jax.random.PRNGKey(1), r)
         ids = np.asarray(rd.sample_participants(key, num_clients, 10))
         real_steps = int(np.maximum(n[ids] // 32, 1).sum())
@@ -565,7 +529,7 @@ def run_scale() -> List[Dict]:
     ratio = lambda v: (skew['results'][v]['ms_per_real_step'] /
                        iid['results'][v]['ms_per_real_step'])
     print(f'==> C={c}: per real step, {skew["partition"]} / IID: ' + ', '.join(
-        f'{v}: {ratio(v):.2f}x' for v in _VARIANTS.value), flush=True)
+        f'{v}: {ratio(v):.2f}x' for v in FLAGS.variants), flush=True)
   return [info] + rows
 
 
@@ -576,37 +540,37 @@ def run_conv_layers() -> List[Dict]:
   """--setting=conv_layers (experiments/conv_layers.py): the info row, then one row per layer."""
   info = {'backend': jax.default_backend(), 'setting': 'conv_layers',
           'cpu_affinity': sorted(os.sched_getaffinity(0)), 'jax': jax.__version__,
-          'steps_per_scan': conv_layers.STEPS, 'repeats': _REPEATS.value}
+          'steps_per_scan': conv_layers.STEPS, 'repeats': FLAGS.repeats}
   print(json.dumps(info))
-  return [info] + conv_layers.run(_VARIANTS.value, _REPEATS.value)
+  return [info] + conv_layers.run(FLAGS.variants, FLAGS.repeats)
 
 
 def check_flags() -> None:
   """Raises cv.ConfigError naming the flag, its value and what is allowed (before any compute)."""
   variants = list({'scale': SCALE_VARIANTS, 'conv_layers': conv_layers.CANDIDATES}.get(
-      _SETTING.value, _VARIANT_STRATEGY))
-  for name, values, allowed in (('models', _MODELS.value, list(_SETTINGS)),
-                                ('variants', _VARIANTS.value, variants)):
+      FLAGS.setting, _VARIANT_STRATEGY))
+  for name, values, allowed in (('models', FLAGS.models, list(_SETTINGS)),
+                                ('variants', FLAGS.variants, variants)):
     for value in values:
       if value not in allowed:
         raise cv.ConfigError(f'--{name} = {",".join(values)!r} is invalid: {value!r} is not one of '
                              f'{allowed}')
-  for value in _CLIENTS.value:
+  for value in FLAGS.clients:
     if not value.isdigit() or int(value) < 1:
-      raise cv.ConfigError(f'--clients = {",".join(_CLIENTS.value)!r} is invalid: must be '
+      raise cv.ConfigError(f'--clients = {",".join(FLAGS.clients)!r} is invalid: must be '
                            'comma-separated integers >= 1')
-  if _PARTICIPANTS.value < 0:
-    raise cv.ConfigError(f'--participants = {_PARTICIPANTS.value} is invalid: must be >= 0 '
+  if FLAGS.participants < 0:
+    raise cv.ConfigError(f'--participants = {FLAGS.participants} is invalid: must be >= 0 '
                          '(0 = every client)')
-  for name, value in (('local_steps', _STEPS.value), ('repeats', _REPEATS.value)):
+  for name, value in (('local_steps', FLAGS.local_steps), ('repeats', FLAGS.repeats)):
     if value < 1:
       raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
-  if _BATCH.value < 2:
-    raise cv.ConfigError(f'--batch_size = {_BATCH.value} is invalid: must be an integer >= 2')
+  if FLAGS.batch_size < 2:
+    raise cv.ConfigError(f'--batch_size = {FLAGS.batch_size} is invalid: must be an integer >= 2')
   _check_precisions()
-  for value in _AUGMENTATIONS.value:
+  for value in FLAGS.augmentations:
     if value not in augment.PRESETS:
-      raise cv.ConfigError(f'--augmentations = {",".join(_AUGMENTATIONS.value)!r} is invalid: '
+      raise cv.ConfigError(f'--augmentations = {",".join(FLAGS.augmentations)!r} is invalid: '
                            f'{value!r} is not one of {sorted(augment.PRESETS)}')
 
 
@@ -614,7 +578,7 @@ def _check_precisions() -> None:
   """--precisions: distinct config.precision values (float32 only under --setting=scale, which has
   no precision variants and no mfu); --peak_tflops: numbers > 0, one for every precision or one per
   --precisions entry."""
-  precisions, peaks = list(_PRECISIONS.value), list(_PEAK_TFLOPS.value)
+  precisions, peaks = list(FLAGS.precisions), list(FLAGS.peak_tflops)
   text, peak_text = ','.join(precisions), ','.join(peaks)
   for value in precisions:
     if value not in models.PRECISIONS:
@@ -623,7 +587,7 @@ def _check_precisions() -> None:
   if not precisions or len(set(precisions)) != len(precisions):
     raise cv.ConfigError(f'--precisions = {text!r} is invalid: must name distinct precisions, at '
                          'least one')
-  if _SETTING.value == 'scale' and (precisions != ['float32'] or peaks):
+  if FLAGS.setting == 'scale' and (precisions != ['float32'] or peaks):
     raise cv.ConfigError(f'--precisions = {text!r}, --peak_tflops = {peak_text!r} are invalid with '
                          "--setting=scale: it times float32 only and reports no mfu")
   if not all(_positive_number(p) for p in peaks):
@@ -644,21 +608,65 @@ def apply_setting_defaults() -> None:
   """The cross-device and scale settings' flag defaults, for every flag not given on the command
   line."""
   defaults = {'cross_device': CROSS_DEVICE_DEFAULTS, 'scale': SCALE_DEFAULTS,
-              'conv_layers': CONV_LAYERS_DEFAULTS}.get(_SETTING.value, {})
+              'conv_layers': CONV_LAYERS_DEFAULTS}.get(FLAGS.setting, {})
   for name, value in defaults.items():
     if not flags.FLAGS[name].present:
       flags.FLAGS[name].value = value
+
+
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that any two binaries (whose flag names
+  overlap) can be imported in one process, as the tests do."""
+  flags.DEFINE_enum('setting', 'byol', ['byol', 'cross_device', 'scale', 'conv_layers'],
+                    'Which round to time (module docstring).')
+  flags.DEFINE_integer(
+      'participants', 0, 'Clients sampled per round; 0 = every client (byol) or 50 (cross_device).')
+  flags.DEFINE_string('out', 'results.json', 'Where to write the JSON results.')
+  flags.DEFINE_float('alpha', 0.1, 'Dirichlet alpha of the skewed partition (--setting=scale; '
+                     'alpha = 0.1 cannot give every one of 1000 Fashion-MNIST clients an '
+                     'example, use 0.5 there).')
+  flags.DEFINE_list('models', ['small_cnn', 'resnet18'], 'Encoders to benchmark.')
+  flags.DEFINE_list('clients', ['10', '100'], 'Client counts (all participate).')
+  flags.DEFINE_integer('local_steps', 5, 'Local steps per client per round.')
+  flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
+  flags.DEFINE_integer('repeats', 3, 'Timed rounds per variant (after one warm-up).')
+  flags.DEFINE_list('variants', ['stepwise', 'sequential', 'vmap', 'map', 'map10', 'shard'],
+                    'Which execution variants to time.')
+  flags.DEFINE_list(
+      'augmentations', ['byol_easyfl', 'flip'],
+      "Augmentation presets of the views, one row each ('flip' = model compute, beside PyTorch).")
+  flags.DEFINE_bool(
+      'torch', True, 'Time the eager-PyTorch round (experiments/torch_round.py) beside the '
+      "'flip' rows of small_cnn when torch is importable.")
+  flags.DEFINE_bool(
+      'interleave', True,
+      'Keep every variant of a setting resident and interleave their timed rounds (robust ratios on '
+      'a machine whose speed drifts). --nointerleave times one variant at a time and frees it before '
+      'the next: for settings whose variants do not fit in memory together (ResNet-18 on CPU).')
+  flags.DEFINE_list(
+      'precisions', ['float32'],
+      "config.precision values to time every JAX variant at (float32 | bfloat16); a variant at a "
+      "precision other than float32 is reported as '<variant>/<precision>'. PyTorch stays float32.")
+  flags.DEFINE_list(
+      'peak_tflops', [],
+      'Peak TFLOP/s of the device, one value for every precision or one per --precisions entry, '
+      'for mfu = achieved FLOP/s / peak (H100 SXM dense: ~67 float32 without tensor cores, ~495 '
+      'TF32, ~989 bf16). Empty: no mfu.')
+  flags.DEFINE_float(
+      'max_variant_seconds', 600.0,
+      'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).')
 
 
 def main(argv):
   del argv
   apply_setting_defaults()
   check_flags()
-  rows = {'scale': run_scale, 'conv_layers': run_conv_layers}.get(_SETTING.value, run)()
-  with open(_OUT.value, 'w') as f:
+  rows = {'scale': run_scale, 'conv_layers': run_conv_layers}.get(FLAGS.setting, run)()
+  with open(FLAGS.out, 'w') as f:
     json.dump({'info': rows[0], 'rows': rows[1:]}, f, indent=2)
-  print(f'wrote {_OUT.value}')
+  print(f'wrote {FLAGS.out}')
 
 
 if __name__ == '__main__':
+  define_flags()
   cv.run(main)

@@ -23,11 +23,6 @@ from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of an experiments.train run.', required=True)
-_EPOCHS = flags.DEFINE_integer('probe_epochs', None, "Probe epochs (default: the run's own).")
-_STANDARDIZE = flags.DEFINE_bool('standardize', False, 'z-score the features before the probe.')
-_ROUND = flags.DEFINE_integer('round', None, 'Checkpointed round to evaluate (default: latest).')
-
 
 def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
             round_idx: int | None) -> dict:
@@ -57,17 +52,27 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
           'trained_probe_acc': evaluate(trained_state)}
 
 
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that any two binaries (whose flag names
+  overlap) can be imported in one process, as the tests do."""
+  flags.DEFINE_string('workdir', None, 'Workdir of an experiments.train run.', required=True)
+  flags.DEFINE_integer('probe_epochs', None, "Probe epochs (default: the run's own).")
+  flags.DEFINE_bool('standardize', False, 'z-score the features before the probe.')
+  flags.DEFINE_integer('round', None, 'Checkpointed round to evaluate (default: latest).')
+
+
 def main(argv):
   del argv
-  workdir = pathlib.Path(_WORKDIR.value)
+  workdir = pathlib.Path(flags.FLAGS.workdir)
   with logging_utils.RunLog() as log:
     if workdir.is_dir():
       log.open(workdir / 'reprobe.log')
-    out = reprobe(workdir, _EPOCHS.value, _STANDARDIZE.value, _ROUND.value)
+    out = reprobe(workdir, flags.FLAGS.probe_epochs, flags.FLAGS.standardize, flags.FLAGS.round)
   suffix = '_std' if out['standardize'] else ''
   (workdir / f'reprobe_{out["probe_epochs"]}ep{suffix}.json').write_text(json.dumps(out, indent=2))
   print(json.dumps(out))
 
 
 if __name__ == '__main__':
+  define_flags()
   cv.run(main, reference=experiment.default_config)

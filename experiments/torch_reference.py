@@ -17,27 +17,37 @@ from absl import app, flags
 
 from experiments import torch_round
 
-_CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients per round.')
-_STEPS = flags.DEFINE_integer('local_steps', 5, 'Local steps per client.')
-_BATCH = flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed rounds.')
-_THREADS = flags.DEFINE_integer('threads', 0, 'torch.set_num_threads (0 = torch default).')
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that any two binaries (whose flag names
+  overlap) can be imported in one process, as the tests do."""
+  flags.DEFINE_integer('clients', 10, 'Clients per round.')
+  flags.DEFINE_integer('local_steps', 5, 'Local steps per client.')
+  flags.DEFINE_integer('batch_size', 64, 'Local batch size.')
+  flags.DEFINE_integer('repeats', 5, 'Timed rounds.')
+  flags.DEFINE_integer('threads', 0, 'torch.set_num_threads (0 = torch default).')
 
 
 def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top
-  one_round = torch_round.build_round(_CLIENTS.value, _STEPS.value, _BATCH.value, _THREADS.value)
+  one_round = torch_round.build_round(FLAGS.clients, FLAGS.local_steps, FLAGS.batch_size,
+                                     FLAGS.threads)
   one_round()
   times = []
-  for _ in range(_REPEATS.value):
+  for _ in range(FLAGS.repeats):
     t0 = time.perf_counter()
     one_round()
     times.append(time.perf_counter() - t0)
-  print(f'torch {torch.__version__}, threads {torch.get_num_threads()}: {_CLIENTS.value} clients x '
-        f'{_STEPS.value} steps x batch {_BATCH.value}: {statistics.median(times):.3f} s per round '
-        f'(median of {_REPEATS.value}; all: {[round(t, 3) for t in times]})')
+  print(f'torch {torch.__version__}, threads {torch.get_num_threads()}: {FLAGS.clients} clients x '
+        f'{FLAGS.local_steps} steps x batch {FLAGS.batch_size}: '
+        f'{statistics.median(times):.3f} s per round (median of {FLAGS.repeats}; '
+        f'all: {[round(t, 3) for t in times]})')
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

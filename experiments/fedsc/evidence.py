@@ -26,11 +26,6 @@ import numpy as np
 
 from fedjax_ssl import logging_utils, reproduce
 
-_OUT = flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
-_TABLE = flags.DEFINE_string('table', 'configs/fedsc/dp.py', 'The table that made OUT.')
-_SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds to read.')
-_SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES), 'Scale of the table.')
-
 # The columns of privacy.md: results.json keys of the evaluation protocol, and their headers.
 METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % labels (%)'),
            ('knn_acc', 'kNN (%)'), ('knn_acc_1pct', 'kNN, 1 % labels (%)'))
@@ -187,12 +182,23 @@ def write_evidence(table: reproduce.Table, seeds, out: pathlib.Path) -> str:
   return text
 
 
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that tests can import this module beside
+  `experiments.reproduce`, whose --table and --out would clash."""
+  flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
+  flags.DEFINE_string('table', 'configs/fedsc/dp.py', 'The table that made OUT.')
+  flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds to read.')
+  flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES), 'Scale of the table.')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  table = reproduce.load_table(_TABLE.value, _SCALE.value)
-  print(write_evidence(table, [int(s) for s in _SEEDS.value], pathlib.Path(_OUT.value)))
+  f = flags.FLAGS
+  table = reproduce.load_table(f.table, f.scale)
+  print(write_evidence(table, [int(s) for s in f.seeds], pathlib.Path(f.out)))
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

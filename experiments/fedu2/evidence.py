@@ -34,8 +34,6 @@ from fedjax_ssl.data import augment
 from fedjax_ssl.eval import geometry
 from fedjax_ssl.ssl.losses import l2_normalize
 
-_OUT = flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
-_NUM = flags.DEFINE_integer('num_images', 2000, 'Test images for uniformity and alignment.')
 
 METRICS = ('uniformity', 'alignment', 'effective_rank')
 
@@ -83,15 +81,22 @@ def _mean_std(values):
   return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that tests can import this module beside
+  `experiments.reproduce`, whose --out would clash."""
+  flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
+  flags.DEFINE_integer('num_images', 2000, 'Test images for uniformity and alignment.')
+
+
 def main(argv):
   del argv
-  out = pathlib.Path(_OUT.value)
+  out = pathlib.Path(flags.FLAGS.out)
   runs = sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
   if not runs:
     raise SystemExit(f'error: no finished runs under {out / "runs"}')
   datasets, results = {}, collections.defaultdict(dict)
   for run in runs:
-    results[run.parent.name][run.name] = measure_run(run, datasets, _NUM.value)
+    results[run.parent.name][run.name] = measure_run(run, datasets, flags.FLAGS.num_images)
     print(run.parent.name, run.name, {k: round(results[run.parent.name][run.name]['trained'][k], 4)
                                        for k in METRICS}, flush=True)
   (out / 'geometry.json').write_text(json.dumps(results, indent=1))
@@ -119,4 +124,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

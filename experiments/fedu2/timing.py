@@ -33,16 +33,6 @@ from fedjax_ssl.data.types import Dataset, FedData
 from fedjax_ssl.ops import uot
 from fedjax_ssl.ssl.losses import l2_normalize
 
-_OUT = flags.DEFINE_string('out', 'fedu2_timing.json', 'Where to write the JSON results.')
-_BATCHES = flags.DEFINE_list('batch_sizes', ['128', '256', '512'], 'UOT batch sizes B.')
-_CLIENTS = flags.DEFINE_list('clients', ['10', '100'], 'EUA participant counts K.')
-_ROUND_CLIENTS = flags.DEFINE_list('round_clients', ['10'], 'K of the timed whole rounds.')
-_ROUND_IMAGES = flags.DEFINE_integer('round_images', 1280, 'Images per client in the timed rounds.')
-_ENCODER = flags.DEFINE_string('encoder', 'resnet18', 'Encoder of the EUA / round timings.')
-_REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed calls per measurement (after one compiling).')
-_STRATEGY = flags.DEFINE_string('strategy', 'auto', 'Round strategy of the timed rounds.')
-_CHUNK = flags.DEFINE_integer('map_chunk_size', 1, "Clients per chunk under strategy 'map'.")
-
 
 def _time(fn, *args):
   """(compile + first call seconds, median seconds of the next --repeats calls)."""
@@ -50,7 +40,7 @@ def _time(fn, *args):
   jax.block_until_ready(fn(*args))
   first = time.perf_counter() - t
   times = []
-  for _ in range(_REPEATS.value):
+  for _ in range(flags.FLAGS.repeats):
     t = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t)
@@ -71,11 +61,11 @@ def time_uot(bsz: int) -> dict:
 
 def _config(num_clients: int, fur: str, algorithm: str = 'fedu2'):
   c = experiment.default_config()
-  c.dataset, c.encoder, c.heads, c.augmentation = 'synthetic', _ENCODER.value, 'fedu2', 'fedu2'
+  c.dataset, c.encoder, c.heads, c.augmentation = 'synthetic', flags.FLAGS.encoder, 'fedu2', 'fedu2'
   c.algorithm, c.ssl_method = algorithm, 'byol'
   c.num_clients = c.clients_per_round = num_clients
   c.local_epochs, c.batch_size = 1, 128
-  c.strategy, c.map_chunk_size = _STRATEGY.value, _CHUNK.value
+  c.strategy, c.map_chunk_size = flags.FLAGS.strategy, flags.FLAGS.map_chunk_size
   c.fedu2.fur = fur
   return c
 
@@ -105,7 +95,7 @@ def time_eua(num_clients: int) -> dict:
 
 
 def time_round(num_clients: int) -> dict:
-  n = _ROUND_IMAGES.value
+  n = flags.FLAGS.round_images
   out = {'K': num_clients, 'images_per_client': n, 'local_steps': n // 128}
   ds = _dataset(16)
   rs = np.random.RandomState(0)
@@ -119,7 +109,7 @@ def time_round(num_clients: int) -> dict:
     step = rd.make_round_step(algo, experiment.round_config(cfg), num_clients)
     state = rd.init_state(algo, jax.random.PRNGKey(0), num_clients)
     times = []
-    for r in range(_REPEATS.value + 1):
+    for r in range(flags.FLAGS.repeats + 1):
       t = time.perf_counter()
       state, metrics = step(state, data, rng.round_key(jax.random.PRNGKey(1), r))
       jax.block_until_ready(metrics)
@@ -129,16 +119,30 @@ def time_round(num_clients: int) -> dict:
   return out
 
 
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that any two binaries (whose flag names
+  overlap) can be imported in one process, as the tests do."""
+  flags.DEFINE_string('out', 'fedu2_timing.json', 'Where to write the JSON results.')
+  flags.DEFINE_list('batch_sizes', ['128', '256', '512'], 'UOT batch sizes B.')
+  flags.DEFINE_list('clients', ['10', '100'], 'EUA participant counts K.')
+  flags.DEFINE_list('round_clients', ['10'], 'K of the timed whole rounds.')
+  flags.DEFINE_integer('round_images', 1280, 'Images per client in the timed rounds.')
+  flags.DEFINE_string('encoder', 'resnet18', 'Encoder of the EUA / round timings.')
+  flags.DEFINE_integer('repeats', 3, 'Timed calls per measurement (after one compiling).')
+  flags.DEFINE_string('strategy', 'auto', 'Round strategy of the timed rounds.')
+  flags.DEFINE_integer('map_chunk_size', 1, "Clients per chunk under strategy 'map'.")
+
+
 def main(argv):
   del argv
   res = {'device': str(jax.devices()[0]), 'uot': [], 'eua': [], 'round': []}
-  for b in _BATCHES.value:
+  for b in flags.FLAGS.batch_sizes:
     res['uot'].append(time_uot(int(b)))
     print(res['uot'][-1], flush=True)
-  for k in _CLIENTS.value:
+  for k in flags.FLAGS.clients:
     res['eua'].append(time_eua(int(k)))
     print(res['eua'][-1], flush=True)
-  for k in _ROUND_CLIENTS.value:
+  for k in _ROUNDflags.FLAGS.clients:
     r = time_round(int(k))
     eua = next((e['eua_s'] for e in res['eua'] if e['K'] == int(k)), None)
     r['fur_share'] = (r['fedu2_round_s'] - r['fedu2_no_fur_round_s']) / r['fedu2_round_s']
@@ -146,9 +150,10 @@ def main(argv):
       r['eua_share'] = eua / r['fedu2_round_s']
     res['round'].append(r)
     print(r, flush=True)
-  with open(_OUT.value, 'w') as f:
+  with open(flags.FLAGS.out, 'w') as f:
     json.dump(res, f, indent=1)
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

@@ -25,10 +25,6 @@ import numpy as np  # pylint: disable=wrong-import-position
 from fedjax_ssl import checkpoint, experiment, logging_utils  # pylint: disable=wrong-import-position
 from fedjax_ssl.core import round as rd  # pylint: disable=wrong-import-position
 
-_OUT = flags.DEFINE_string('out', None, 'experiments.reproduce output directory (with runs/).')
-_DATASET = flags.DEFINE_string('dataset_label', 'fashion-mnist', 'column slug of the runs.')
-flags.mark_flags_as_required(['out'])
-
 FRAMEWORKS = ('il', 'fl', 'fd', 'ours', 'cl')
 NAMES = {'il': 'IL', 'fl': 'FL', 'fd': 'FD', 'ours': 'Ours', 'cl': 'CL'}
 
@@ -123,12 +119,21 @@ def fig5(out: pathlib.Path, column: str, num_images: int = 1000) -> pathlib.Path
   return path
 
 
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, so that any two binaries (whose flag names
+  overlap) can be imported in one process, as the tests do."""
+  flags.DEFINE_string('out', None, 'experiments.reproduce output directory (with runs/).',
+                      required=True)
+  flags.DEFINE_string('dataset_label', 'fashion-mnist', 'column slug of the runs.')
+
+
 def main(argv):
   del argv
-  out = pathlib.Path(_OUT.value)
-  for path in (fig4(out, _DATASET.value), fig5(out, _DATASET.value)):
+  out = pathlib.Path(flags.FLAGS.out)
+  for path in (fig4(out, flags.FLAGS.dataset_label), fig5(out, flags.FLAGS.dataset_label)):
     print(path)
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

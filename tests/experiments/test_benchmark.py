@@ -47,6 +47,7 @@ def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation
   model-compute rows use 'flip' (views that differ, as PyTorch's two input tensors do)."""
   probe = ('from absl import flags\n'
            'from experiments import benchmark\n'
+           'benchmark.define_flags()\n'
            "flags.FLAGS(['benchmark', '--batch_size=8'])\n"
            "print(benchmark.flops_per_client_step('small_cnn', 'flip'), "
            "benchmark.flops_per_client_step('small_cnn', 'none'))\n")
