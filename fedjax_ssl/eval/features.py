@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_ssl.models import layers
+
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
 
 
@@ -24,17 +26,22 @@ def normalize_images(images_uint8: jax.Array, mean: jax.Array, std: jax.Array,
   return (x - mean) / std
 
 
+# Both forwards are traced inside `layers.inference_convs()`: these programs are never
+# differentiated, so conv_impl='auto' takes XLA's convolution, the faster one without gradients.
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(apply_fn: ApplyFn, variables: Any, images_uint8: jax.Array, mean: jax.Array,
              std: jax.Array) -> jax.Array:
-  return apply_fn(variables, normalize_images(images_uint8, mean, std)).astype(jnp.float32)
+  with layers.inference_convs():
+    return apply_fn(variables, normalize_images(images_uint8, mean, std)).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _forward_stacked(apply_fn: ApplyFn, stacked_variables: Any, images_uint8: jax.Array, mean: jax.Array,
                      std: jax.Array, client_strategy: str) -> jax.Array:
   x = normalize_images(images_uint8, mean, std)
-  one = lambda v: apply_fn(v, x).astype(jnp.float32)
+  def one(v):
+    with layers.inference_convs():
+      return apply_fn(v, x).astype(jnp.float32)
   if client_strategy == 'vmap':
     return jax.vmap(one)(stacked_variables)
   return jax.lax.map(one, stacked_variables)
@@ -87,7 +94,7 @@ def extract_features(apply_fn: ApplyFn, variables: Any, images_uint8: Any, mean:
 
 def extract_features_stacked(apply_fn: ApplyFn, stacked_variables: Any, images_uint8: Any,
                              mean: Sequence[float], std: Sequence[float], batch_size: int = 512,
-                             client_strategy: str = 'vmap') -> jax.Array:
+                             client_strategy: str = 'auto') -> jax.Array:
   """Features of the same images under C per-client models whose variables are stacked on a leading axis.
 
   Args:
@@ -96,14 +103,18 @@ def extract_features_stacked(apply_fn: ApplyFn, stacked_variables: Any, images_u
     images_uint8: uint8 [N, H, W, C].
     mean, std: per-channel statistics (len C).
     batch_size: images per forward pass (each pass runs all C models on them).
-    client_strategy: 'vmap' (one fused program over clients) or 'map' (`lax.map`, one client at a time,
-      C times less activation memory).
+    client_strategy: 'vmap' (one fused program over clients), 'map' (`lax.map`, one client at a time,
+      C times less activation memory) or 'auto': 'map' on the CPU backend, where vmapped per-client
+      kernels make grouped convolutions or batched GEMMs (2.7x slower than 'map' for 10 LeNet-5
+      classifiers, docs/notes/performance.md#perf-eval-convs), else 'vmap'.
   Returns:
     float32 [C, N, d].
   """
   _check_images(images_uint8, mean, std, batch_size)
-  if client_strategy not in ('vmap', 'map'):
-    raise ValueError(f"client_strategy must be 'vmap' or 'map', got {client_strategy!r}")
+  if client_strategy not in ('auto', 'vmap', 'map'):
+    raise ValueError(f"client_strategy must be 'auto', 'vmap' or 'map', got {client_strategy!r}")
+  if client_strategy == 'auto':
+    client_strategy = 'map' if jax.default_backend() == 'cpu' else 'vmap'
   mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
   fn = lambda batch: _forward_stacked(apply_fn, stacked_variables, batch, mean, std, client_strategy)
   return _batched(fn, images_uint8, batch_size, axis=1)

@@ -7,6 +7,8 @@ still. The 'im2col' implementation extracts the kh*kw shifted (strided) views of
 with plain slices and contracts them with the kernel in ONE matmul, which XLA:CPU runs as a
 (batched) GEMM. Both implementations read the same 'kernel' [kh, kw, cin, cout] (HWIO, like
 flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable between them.
+im2col wins through the gradients; a program that is never differentiated (feature extraction)
+is faster with XLA's own convolution, which `inference_convs()` selects for 'auto'.
 
 Precision: every layer takes `dtype`, the compute dtype of its matmul / convolution and output
 (None: the dtype of its input and parameters, i.e. float32, or float64 in the x64 tests).
@@ -20,8 +22,10 @@ weights ~ U(+-1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5)) and biases ~ U(+-
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -76,8 +80,27 @@ def cast(dtype: Optional[Any], *arrays: jax.Array) -> Tuple[jax.Array, ...]:
   return arrays if dtype is None else tuple(jnp.asarray(a, dtype) for a in arrays)
 
 
+# True while a forward-only program is traced (`inference_convs`).
+_INFERENCE = contextvars.ContextVar('fedjax_ssl_inference_convs', default=False)
+
+
+@contextlib.contextmanager
+def inference_convs() -> Iterator[None]:
+  """Within it, conv_impl='auto' resolves to 'xla' on every backend: for programs that are never
+  differentiated (feature extraction). im2col pays off through the gradients, which XLA:CPU
+  computes slowly; XLA:CPU's forward convolution alone is the faster one, 1.4-3.4x on every CPU
+  encoder of the registry (docs/notes/performance.md#perf-eval-convs). It acts at trace time, so
+  enter it inside the jitted function."""
+  token = _INFERENCE.set(True)
+  try:
+    yield
+  finally:
+    _INFERENCE.reset(token)
+
+
 def resolve_conv_impl(conv_impl: str) -> str:
-  """Maps `conv_impl` to 'xla' or 'im2col'; 'auto' picks 'im2col' on the CPU backend, else 'xla'.
+  """Maps `conv_impl` to 'xla' or 'im2col'; 'auto' picks 'im2col' on the CPU backend, else 'xla'
+  (and 'xla' inside `inference_convs`).
 
   Resolved at trace time, so the same module definition is fast on CPU and uses cuDNN/TPU
   convolutions elsewhere.
@@ -85,7 +108,7 @@ def resolve_conv_impl(conv_impl: str) -> str:
   if conv_impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl={conv_impl!r}; allowed: {CONV_IMPLS}')
   if conv_impl == 'auto':
-    return 'im2col' if jax.default_backend() == 'cpu' else 'xla'
+    return 'im2col' if jax.default_backend() == 'cpu' and not _INFERENCE.get() else 'xla'
   return conv_impl
 
 

@@ -357,6 +357,46 @@ def test_conv_impl_resolution_and_errors():
     layers.Conv(3, 3, padding=-1).init(jax.random.key(0), x)
 
 
+def test_inference_convs_resolve_auto_to_xla_inside_and_only_inside():
+  """Feature extraction traces under `inference_convs`: 'auto' becomes XLA's convolution there (the
+  faster one without gradients), explicit choices are kept, and the setting ends with the block,
+  also when it raises."""
+  assert not layers._INFERENCE.get()
+  with layers.inference_convs():
+    assert layers.resolve_conv_impl('auto') == 'xla'
+    assert layers.resolve_conv_impl('im2col') == 'im2col'
+  expected = 'im2col' if jax.default_backend() == 'cpu' else 'xla'
+  assert layers.resolve_conv_impl('auto') == expected
+  with pytest.raises(RuntimeError):
+    with layers.inference_convs():
+      raise RuntimeError
+  assert layers.resolve_conv_impl('auto') == expected
+  x = jnp.zeros((2, 8, 8, 3))
+  conv = layers.Conv(4, 3, 1, padding=1)
+  params = random_variables(conv, x, seed=0)
+  def inside(v, x):
+    with layers.inference_convs():
+      return conv.apply(v, x)
+  assert 'conv_general_dilated' in str(jax.make_jaxpr(inside)(params, x))
+
+
+def test_extracted_features_equal_the_training_forward():
+  """eval.features runs LeNet-5 with XLA's convolutions; its features equal the im2col forward that
+  training uses up to float32 summation order: each layer sums at most 16*3*3 = 144 products
+  (|error| <= 144 * 2**-24 * sum|w x|, with sum|w x| = O(1) at PyTorch's init), through 3
+  convolutions and a Tanh (Lipschitz 1): well under 1e-5."""
+  from fedjax_ssl.eval import features  # pylint: disable=g-import-not-at-top
+  images = np.random.RandomState(0).randint(0, 256, (40, 28, 28, 1)).astype(np.uint8)
+  im2col = repshare.LeNet5(conv_impl='im2col')
+  variables = random_variables(im2col, jnp.zeros((1, 28, 28, 1)), seed=1, train=False)
+  apply_auto = lambda v, x: repshare.LeNet5().apply(v, x, train=False)
+  got = features.extract_features(apply_auto, variables, images, [0.3], [0.35], batch_size=16)
+  x = features.normalize_images(jnp.asarray(images), jnp.float32(0.3), jnp.float32(0.35))
+  want = jax.jit(lambda v, x: im2col.apply(v, x, train=False))(variables, x)
+  assert float(jnp.std(want)) > 0.05  # real, non-saturated features
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
 def test_torch_default_init_bounds():
   x = jnp.zeros((1, 6, 6, 8))
   p = jax.jit(layers.Conv(64, 3).init)(fast_key(0), x)['params']
