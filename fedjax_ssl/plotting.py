@@ -8,6 +8,7 @@ backend of the caller's process and works headless.
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
@@ -65,6 +66,15 @@ def plot_metrics(records: Sequence[Mapping], out_png: str, keys: Sequence[str],
       ax.legend(fontsize='small')
   if title:
     fig.suptitle(title)
-  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-  fig.savefig(out_png, format='png')
+  save_figure(fig, out_png)
   return present
+
+
+def save_figure(fig: Figure, path: str | os.PathLike, dpi: float | None = None) -> None:
+  """Writes `fig` to `path` (PNG) atomically, creating its directory: a reader, or a run killed
+  mid-write, never leaves half a file. pyplot figures stay open; the caller closes them."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_name(path.stem + '.tmp.png')
+  fig.savefig(tmp, format='png', dpi=dpi)
+  os.replace(tmp, path)

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import algorithms, experiment
+from fedjax_ssl import algorithms, experiment, plotting
 
 SCALES = ('quick', 'evidence', 'paper')
 # A table file lists the scales it defines in its own SCALES (these two when it does not).
@@ -618,16 +618,8 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
   fig.suptitle(f'{table.title} — scale {table.scale}\nbars: mean over seeds (dots) ± std; '
                'dashed: random-init encoder; red x: paper', fontsize=9)
   fig.tight_layout()
-  _save_figure(fig, path)
-
-
-def _save_figure(fig, path: pathlib.Path) -> None:
-  """Writes `fig` to `path` atomically (a reader never sees half a PNG) and closes it."""
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  tmp = path.with_name(path.stem + '.tmp.png')
-  fig.savefig(tmp, dpi=110)
+  plotting.save_figure(fig, path, dpi=110)
   plt.close(fig)
-  tmp.replace(path)
 
 
 def curves(table: Table, runs: Sequence[RunSpec], out: pathlib.Path, metric: str = 'knn_acc'
@@ -694,7 +686,8 @@ def plot_curves(table: Table, found: Mapping[Tuple[str, str], Mapping[str, Any]]
   fig.suptitle('\n'.join(textwrap.wrap(title, 60 * len(columns))) +
                f'\n{metric_name(metric)} against rounds (mean over seeds ± std)', fontsize=9)
   fig.tight_layout()
-  _save_figure(fig, path)
+  plotting.save_figure(fig, path, dpi=110)
+  plt.close(fig)
   return True
 
 

@@ -13,7 +13,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from fedjax_ssl.logging_utils import MetricsWriter, progress, read_metrics
-from fedjax_ssl.plotting import plot_metrics
+from fedjax_ssl.plotting import plot_metrics, save_figure
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -166,6 +166,27 @@ def test_plot_metrics_png(tmp_path):
   without = str(tmp_path / 'no_hlines.png')
   plot_metrics(_records(), without, keys=['loss', 'knn_acc'], title='FedBYOL quick')
   assert not np.array_equal(matplotlib.image.imread(without), image)
+
+
+def test_save_figure_replaces_the_file_whole_or_not_at_all(tmp_path):
+  """A figure whose rendering fails half-way leaves the previous PNG as it was."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  out = tmp_path / 'sub' / 'fig.png'
+  fig = Figure(figsize=(2, 1))
+  fig.add_subplot().plot([0, 1], [1, 0])
+  save_figure(fig, out, dpi=50)
+  before = out.read_bytes()
+  assert before[:8] == PNG_SIGNATURE and matplotlib.image.imread(out).shape == (50, 100, 4)
+
+  def half_then_fail(path, **kwargs):
+    del kwargs
+    with open(path, 'wb') as f:
+      f.write(PNG_SIGNATURE)
+    raise OSError('disk full')
+  fig.savefig = half_then_fail
+  with pytest.raises(OSError, match='disk full'):
+    save_figure(fig, out)
+  assert out.read_bytes() == before
 
 
 def test_plot_metrics_errors(tmp_path):

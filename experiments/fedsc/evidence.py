@@ -24,7 +24,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import logging_utils, reproduce
+from fedjax_ssl import logging_utils, plotting, reproduce
 
 # The columns of privacy.md: results.json keys of the evaluation protocol, and their headers.
 METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % labels (%)'),
@@ -141,7 +141,7 @@ def plot_privacy_utility(summary: list, references: list, path: pathlib.Path) ->
   axes[0].legend(fontsize=7)
   fig.suptitle('FedSC privacy-utility (mean ± std over seeds)')
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  plotting.save_figure(fig, path, dpi=120)
   plt.close(fig)
 
 
@@ -158,7 +158,7 @@ def plot_knn_rounds(rows: dict, path: pathlib.Path) -> None:
   ax.legend(fontsize=7)
   ax.set_title('kNN against rounds (mean over seeds; round 0 = random init)')
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  plotting.save_figure(fig, path, dpi=120)
   plt.close(fig)
 
 

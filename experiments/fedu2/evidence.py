@@ -28,7 +28,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import checkpoint, experiment
+from fedjax_ssl import checkpoint, experiment, plotting
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.eval import geometry
@@ -118,7 +118,8 @@ def main(argv):
   ax.set_title('Test-set feature spectrum (mean over seeds)')
   ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(out / 'spectrum.png', dpi=120)
+  plotting.save_figure(fig, out / 'spectrum.png', dpi=120)
+  plt.close(fig)
   (out / 'geometry.md').write_text('\n'.join(lines) + '\n')
   print('\n'.join(lines))
 

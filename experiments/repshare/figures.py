@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from fedjax_ssl import checkpoint, experiment, logging_utils  # pylint: disable=wrong-import-position
+from fedjax_ssl import plotting  # pylint: disable=wrong-import-position
 from fedjax_ssl.core import round as rd  # pylint: disable=wrong-import-position
 
 FRAMEWORKS = ('il', 'fl', 'fd', 'ours', 'cl')
@@ -70,7 +71,7 @@ def fig4(out: pathlib.Path, column: str) -> pathlib.Path:
                '(the paper\'s Fig. 4)')
   fig.tight_layout()
   path = out / 'fig4_accuracy.png'
-  fig.savefig(path, dpi=110)
+  plotting.save_figure(fig, path, dpi=110)
   plt.close(fig)
   return path
 
@@ -114,7 +115,7 @@ def fig5(out: pathlib.Path, column: str, num_images: int = 1000) -> pathlib.Path
   fig.suptitle('Feature space of both clients (PCA of 1,000 test images; colour = class)')
   fig.tight_layout()
   path = out / 'fig5_embedding.png'
-  fig.savefig(path, dpi=110)
+  plotting.save_figure(fig, path, dpi=110)
   plt.close(fig)
   return path
 
