@@ -15,8 +15,8 @@ paper: configs/fedsc/common.paper_base per dataset (the official code's protocol
   rounds of 5 epochs (a compute-matched 1000 epochs; the paper gives no budget, A17).
 quick: Fashion-MNIST (first 10,000 images), 10 clients x 2 classes, LeNet-5, 20 rounds of 1 epoch
   on 2 CPU cores; full (10/10) and partial (2/10) participation; no paper number applies. Results:
-  docs/results/fedsc/table2_fmnist_quick/ (10/10, every row, 3 seeds, 3-10 min a run on one core;
-  the 2/10 column not run). Linear probe FedSC 75.76 ± 1.51, FedAvg + SC 78.93 ± 0.75, FedAvg +
+  docs/results/fedsc/table2_fmnist_quick/ (both columns, every row, 3 seeds, 2-10 min a run on one
+  core; 2/10: FedSC 77.98 ± 1.30 against FedAvg + SC 77.96 ± 1.31, not confirmed). Linear probe FedSC 75.76 ± 1.51, FedAvg + SC 78.93 ± 0.75, FedAvg +
   BYOL 79.42 ± 0.77, FedU 78.49 ± 0.75, FedEMA 79.21 ± 0.79, FedX 80.12 ± 0.26, FedCA 78.95 ± 1.49,
   centralized SC 77.93 ± 1.03, supervised 79.73 ± 0.92, random init 79.23, raw pixels 83.45: FedSC
   > FedAvg + SC and > FedAvg + BYOL reversed at this scale (the FedSC and FedAvg + SC runs are those
