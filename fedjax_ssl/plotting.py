@@ -76,5 +76,9 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: float | None = None) 
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.stem + '.tmp.png')
-  fig.savefig(tmp, format='png', dpi=dpi)
+  try:
+    fig.savefig(tmp, format='png', dpi=dpi)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
   os.replace(tmp, path)

@@ -187,6 +187,7 @@ def test_save_figure_replaces_the_file_whole_or_not_at_all(tmp_path):
   with pytest.raises(OSError, match='disk full'):
     save_figure(fig, out)
   assert out.read_bytes() == before
+  assert sorted(p.name for p in out.parent.iterdir()) == ['fig.png']  # no half-written temp file
 
 
 def test_plot_metrics_errors(tmp_path):

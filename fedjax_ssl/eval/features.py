@@ -39,12 +39,11 @@ def _forward(apply_fn: ApplyFn, variables: Any, images_uint8: jax.Array, mean: j
 def _forward_stacked(apply_fn: ApplyFn, stacked_variables: Any, images_uint8: jax.Array, mean: jax.Array,
                      std: jax.Array, client_strategy: str) -> jax.Array:
   x = normalize_images(images_uint8, mean, std)
-  def one(v):
-    with layers.inference_convs():
-      return apply_fn(v, x).astype(jnp.float32)
-  if client_strategy == 'vmap':
-    return jax.vmap(one)(stacked_variables)
-  return jax.lax.map(one, stacked_variables)
+  one = lambda v: apply_fn(v, x).astype(jnp.float32)
+  with layers.inference_convs():
+    if client_strategy == 'vmap':
+      return jax.vmap(one)(stacked_variables)
+    return jax.lax.map(one, stacked_variables)
 
 
 def _check_images(images_uint8: Any, mean: Sequence[float], std: Sequence[float], batch_size: int) -> None:
