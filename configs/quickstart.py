@@ -24,8 +24,9 @@ but it is not yet a better representation than the pixels themselves: the probe 
 range +1.3 to +2.5), and 1 %-label kNN trails standardised pixels by 5-6 points. What closing that
 gap takes is measured in docs/results/fedssl/budget/table.md: the small CNN beats raw pixels on the
 full-label probe (85.3-85.7 vs 84.1) and, at 100 rounds, on 1 %-label kNN by under a point (71.3 vs
-70.5); its kNN stops rising after 50 rounds, and a wider small CNN does worse (its random init is a
-stronger kernel; docs/notes/evaluation.md#eval-19), so the rest needs more data or augmentation.
+70.5); its kNN stops rising after 50 rounds, a wider small CNN does worse (its random init is a
+stronger kernel; docs/notes/evaluation.md#eval-19), and neither a stronger jitter nor all 60,000
+images reaches the kNN margins (the references rise with the data; docs/notes/evaluation.md#eval-20).
 WORKDIR/metrics.png plots loss, kNN and the probe against rounds (round 0 = random init).
 
 Why LeNet-5: its 84-d Tanh feature layer after global average pooling gives weak random features,
