@@ -16,7 +16,6 @@ import json
 import pathlib
 
 from absl import flags
-import ml_collections
 
 from fedjax_ssl import checkpoint, configuration, experiment, logging_utils
 from fedjax_ssl.data.info import DatasetInfo

@@ -1,11 +1,8 @@
-"""Test session setup: four virtual CPU devices so the 'shard' strategy runs on a real mesh.
+"""Test session setup: XLA flags (four virtual CPU devices, fast compile; tests/subprocess_env.py
+says why), set before anything imports jax."""
+from tests import subprocess_env
 
-XLA reads the flag once, when the backend starts, so it is set before anything imports jax.
-"""
-import os
-
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                           ' --xla_force_host_platform_device_count=4').strip()
+subprocess_env.set_session_flags()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -90,7 +90,8 @@ def time_eua(num_clients: int) -> dict:
   weights = jnp.full((num_clients,), 1.0 / num_clients)
   params = sum(a.size for a in jax.tree_util.tree_leaves(glob['params']))
   params += sum(a.size for a in jax.tree_util.tree_leaves(glob.get('target', {}).get('params', {})))
-  first, t = _time(jax.jit(algo.aggregate), server, payloads, weights)
+  ids = jnp.arange(num_clients)  # the participants' client ids
+  first, t = _time(jax.jit(algo.aggregate), server, payloads, weights, ids)
   return {'K': num_clients, 'params_per_client': int(params), 'eua_s': t, 'compile_s': first}
 
 
@@ -142,7 +143,7 @@ def main(argv):
   for k in flags.FLAGS.clients:
     res['eua'].append(time_eua(int(k)))
     print(res['eua'][-1], flush=True)
-  for k in _ROUNDflags.FLAGS.clients:
+  for k in flags.FLAGS.round_clients:
     r = time_round(int(k))
     eua = next((e['eua_s'] for e in res['eua'] if e['K'] == int(k)), None)
     r['fur_share'] = (r['fedu2_round_s'] - r['fedu2_no_fur_round_s']) / r['fedu2_round_s']

@@ -12,7 +12,6 @@ from fedjax_ssl import experiment, models
 from fedjax_ssl.algorithms import hetero_ssfl, ssl_client
 from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.data.types import FedData
 from tests import reference
 from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
                                           _data, _float64, _round_cfg)

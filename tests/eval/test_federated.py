@@ -9,7 +9,7 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.eval import federated, features, finetune, protocol
+from fedjax_ssl.eval import federated, finetune, protocol
 
 
 def _config(**overrides):

@@ -1,7 +1,6 @@
 """The benchmark binary on a tiny setting: every variant runs the same round (equal losses), and the
 reported ratios are the measured times' ratios."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,14 +8,15 @@ import sys
 import numpy as np
 import pytest
 
+from tests import subprocess_env
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
 def test_benchmark_variants_agree_and_ratios_are_consistent(tmp_path):
   out = tmp_path / 'bench.json'
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)
+  env = subprocess_env.binary_env(optimized=True)  # it measures compiled code
   subprocess.run(
       [sys.executable, '-m', 'experiments.benchmark', f'--out={out}', '--models=small_cnn',
        '--clients=3', '--local_steps=2', '--batch_size=8', '--repeats=1', '--augmentations=flip',
@@ -51,8 +51,7 @@ def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation
            "flags.FLAGS(['benchmark', '--batch_size=8'])\n"
            "print(benchmark.flops_per_client_step('small_cnn', 'flip'), "
            "benchmark.flops_per_client_step('small_cnn', 'none'))\n")
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)
+  env = subprocess_env.binary_env(optimized=True)  # it measures compiled code
   out = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=env, check=True,
                        capture_output=True, text=True, timeout=600)
   flip, none = map(float, out.stdout.split())
@@ -65,8 +64,7 @@ def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation
 @pytest.mark.slow
 def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
   out = tmp_path / 'bench.json'
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)
+  env = subprocess_env.binary_env(optimized=True)  # it measures compiled code
   subprocess.run(
       [sys.executable, '-m', 'experiments.benchmark', f'--out={out}', '--models=small_cnn',
        '--clients=2', '--local_steps=1', '--batch_size=8', '--repeats=1', '--augmentations=flip',
@@ -99,8 +97,7 @@ def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
     (['--peak_tflops=0'], "--peak_tflops = '0' is invalid: must be numbers > 0 (TFLOP/s)"),
 ], ids=['precision', 'peak_count', 'peak_zero'])
 def test_benchmark_refuses_bad_precision_flags_before_compute(args, message, tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)
+  env = subprocess_env.binary_env(optimized=True)  # it measures compiled code
   proc = subprocess.run([sys.executable, '-m', 'experiments.benchmark', f'--out={tmp_path}/b.json',
                          *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == f'error: {message}'

@@ -1,6 +1,5 @@
 """The per-layer convolution benchmark's candidates compute `lax.conv_general_dilated` and its two
 gradients (float64), and the benchmark setting reports what it measured."""
-import os
 import pathlib
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import conv_layers
+from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -60,8 +60,7 @@ def test_the_setting_reports_each_layer_against_its_gemms(tmp_path):
 
 
 def test_an_unknown_candidate_is_refused_before_compute(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)
+  env = subprocess_env.binary_env(optimized=True)
   proc = subprocess.run([sys.executable, '-m', 'experiments.benchmark', '--setting=conv_layers',
                          '--variants=im2col,winograd', f'--out={tmp_path}/c.json'], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=600)

@@ -2,7 +2,6 @@
 trained features against `experiment.encoder_features` on the restored state, the random-init
 features against the run's own init, and the refusal of personalised algorithms."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 from fedjax_ssl import checkpoint, core, experiment
 from fedjax_ssl.config_validation import ConfigError
+from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -36,10 +36,7 @@ def run(tmp_path_factory):
 
 
 def _env():
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)  # one CPU device, like a user's run
-  env['PYTHONPATH'] = str(REPO)
-  return env
+  return subprocess_env.binary_env()
 
 
 def test_export_writes_the_trained_and_random_init_features(run, tmp_path):

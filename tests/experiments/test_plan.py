@@ -3,7 +3,6 @@ real steps, host-placed client state leaves the C - m stored states off the devi
 object's keys, exit status 2 for a round that does not fit (one line with the numbers), the refusal
 of a device memory <= 0 (exit status 1), and a table's estimate."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from experiments import plan
 from configs import quickstart
 from fedjax_ssl import configuration, reproduce
 from fedjax_ssl.data import partition
+from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # A tiny FedU on synthetic 32x32x3 images (sizes known without loading): a stateful algorithm, so
@@ -34,8 +34,7 @@ def _config(**overrides):
 
 
 def _run(*flags):
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  env.pop('XLA_FLAGS', None)  # one CPU device, like a user's run
+  env = subprocess_env.binary_env(optimized=True)  # plan reports compiled memory
   cmd = [sys.executable, '-m', 'experiments.plan', '--config=configs/quickstart.py']
   cmd += [f'--config.{k}={v}' for k, v in TINY.items()] + list(flags)
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -7,7 +7,6 @@ person (library logs go to WORKDIR/train.log); config errors are one `error: ...
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import re
 import signal
@@ -23,6 +22,7 @@ import pytest
 from fedjax_ssl import checkpoint, experiment
 from fedjax_ssl.config_validation import ConfigError
 from fedjax_ssl.data import sources
+from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ROUNDS = 6
@@ -44,10 +44,7 @@ def _cmd(workdir):
 
 
 def _env():
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)  # one CPU device, like a user's run
-  env['PYTHONPATH'] = str(REPO)
-  return env
+  return subprocess_env.binary_env()
 
 
 def _final_state(workdir):

@@ -1,0 +1,47 @@
+"""XLA flags of the test session, and the environment of a binary a test starts.
+
+The session (tests/conftest.py) adds four virtual CPU devices, so the 'shard' strategy runs on a
+real mesh, and turns XLA:CPU's backend optimisation off: the suite's programs are tiny and each is
+compiled once, so compiling dominates (docs/notes/testing.md#test-14). A binary a test starts gets
+the caller's own XLA_FLAGS (e.g. --xla_cpu_max_isa, so an ISA check reaches it too) without the
+virtual devices, like a user's run.
+"""
+import os
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# The caller's XLA_FLAGS, kept across the xdist workers (which inherit the session's flags).
+_CALLER_VAR = 'FEDJAX_SSL_TEST_CALLER_XLA_FLAGS'
+_DEVICES = '--xla_force_host_platform_device_count=4'
+_FAST_COMPILE = '--xla_backend_optimization_level=0'
+
+
+def caller_flags() -> str:
+  return os.environ.get(_CALLER_VAR, os.environ.get('XLA_FLAGS', ''))
+
+
+def set_session_flags() -> None:
+  """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once).
+  A backend optimisation level the caller gave is kept."""
+  caller = caller_flags()
+  os.environ[_CALLER_VAR] = caller
+  fast = [] if 'xla_backend_optimization_level' in caller else [_FAST_COMPILE]
+  os.environ['XLA_FLAGS'] = ' '.join([caller, *fast, _DEVICES]).strip()
+
+
+def binary_env(optimized: bool = False, **extra: str) -> dict:
+  """os.environ for a binary: PYTHONPATH at the repository, one CPU device, the caller's flags.
+
+  optimized: False keeps the session's fast compile (binaries that only train and check numbers);
+    True compiles as a user's run does (binaries whose output measures compiled code: timings,
+    memory, throughput).
+  extra: more variables to set.
+  """
+  flags = caller_flags()
+  if not optimized and 'xla_backend_optimization_level' not in flags:
+    flags = f'{flags} {_FAST_COMPILE}'
+  env = dict(os.environ, PYTHONPATH=str(REPO), **extra)
+  env.pop(_CALLER_VAR, None)
+  env['XLA_FLAGS'] = flags.strip()
+  return env
