@@ -21,27 +21,27 @@ def caller_flags() -> str:
   return os.environ.get(_CALLER_VAR, os.environ.get('XLA_FLAGS', ''))
 
 
+def _fast_compile(flags: str) -> str:
+  """`flags` with backend optimisation off, unless they set a level themselves."""
+  return flags if 'xla_backend_optimization_level' in flags else f'{flags} {_FAST_COMPILE}'
+
+
 def set_session_flags() -> None:
-  """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once).
-  A backend optimisation level the caller gave is kept."""
+  """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once)."""
   caller = caller_flags()
   os.environ[_CALLER_VAR] = caller
-  fast = [] if 'xla_backend_optimization_level' in caller else [_FAST_COMPILE]
-  os.environ['XLA_FLAGS'] = ' '.join([caller, *fast, _DEVICES]).strip()
+  os.environ['XLA_FLAGS'] = f'{_fast_compile(caller)} {_DEVICES}'.strip()
 
 
-def binary_env(optimized: bool = False, **extra: str) -> dict:
+def binary_env(optimized: bool = False) -> dict:
   """os.environ for a binary: PYTHONPATH at the repository, one CPU device, the caller's flags.
 
   optimized: False keeps the session's fast compile (binaries that only train and check numbers);
     True compiles as a user's run does (binaries whose output measures compiled code: timings,
     memory, throughput).
-  extra: more variables to set.
   """
-  flags = caller_flags()
-  if not optimized and 'xla_backend_optimization_level' not in flags:
-    flags = f'{flags} {_FAST_COMPILE}'
-  env = dict(os.environ, PYTHONPATH=str(REPO), **extra)
+  env = dict(os.environ, PYTHONPATH=str(REPO))
   env.pop(_CALLER_VAR, None)
-  env['XLA_FLAGS'] = flags.strip()
+  flags = caller_flags()
+  env['XLA_FLAGS'] = (flags if optimized else _fast_compile(flags)).strip()
   return env
