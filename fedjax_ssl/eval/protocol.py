@@ -242,6 +242,21 @@ def standardize(train_f: Any, *others: Any, dtype=np.float32) -> Tuple[np.ndarra
   return tuple((np.asarray(a, dtype) - mean) * inv for a in (train_f,) + others)
 
 
+def _edge_warning(grid: np.ndarray, val_acc: Sequence[float], best: int, held_out: int) -> str:
+  """Says why the held-out choice of C fell on an edge of the grid (docs/notes/evaluation.md#eval-21):
+  every C tied (collapsed features, or a held-out split too small to tell them apart: ties go to the
+  smallest C), or the accuracy still rising at the edge (at C = max(grid) a plateau in practice)."""
+  where = f'the chosen C = {grid[best]:g} is at the edge of the grid [{grid[0]:g}, {grid[-1]:g}]'
+  if max(val_acc) == min(val_acc):
+    why = (f'every C ties at held-out accuracy {val_acc[0]:.3f} on {held_out} images (features '
+           'that do not separate the classes, or too few held-out images); ties take the smallest C')
+  elif best == 0:
+    why = f'the strongest penalty wins on {held_out} held-out images'
+  else:
+    why = f'the held-out accuracy still rises at the weakest penalty ({held_out} held-out images)'
+  return f'logistic_probe: {where}: {why}'
+
+
 def logistic_probe(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_classes: int, *,
                    cs: Sequence[float] = DEFAULT_CS, holdout: float = DEFAULT_HOLDOUT,
                    seed: int = 0, rng: Optional[np.random.Generator] = None, tol: float = 1e-4,
@@ -293,8 +308,7 @@ def logistic_probe(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_cla
     best = int(out.best)
     fit = out.final
     if grid.size > 2 and best in (0, grid.size - 1):
-      logging.warning('logistic_probe: the chosen C = %g is at the edge of the grid [%g, %g]',
-                      grid[best], grid[0], grid[-1])
+      logging.warning(_edge_warning(grid, val_acc, best, int(val_idx.size)))
   else:
     fit = logistic.fit_logistic(x, y, grid[0], **kw)
   w, b = fit.weights, fit.bias
