@@ -19,7 +19,11 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   FedU2 without EUA 66.06 ± 0.85, the best row; random init 61.32, raw pixels 79.11:
   docs/notes/fedu2.md#fedu2-e7. L-DAWA-BYOL probe 80.18 ± 0.80 against random init 79.18, while
   FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh features to one point, 10.00 on
-  every metric: docs/notes/fedu2.md#fedu2-e4).
+  every metric: docs/notes/fedu2.md#fedu2-e4). Alpha = 0.5 / 5 for FedBYOL, FedU2-BYOL and FedU2
+  without EUA (3 seeds at 0.5; at 5, FedBYOL 3 seeds and the FedU2 rows 2): kNN FedBYOL 52.96 ± 3.77
+  / 53.40 ± 3.51, FedU2-BYOL 63.37 ± 1.92 / 66.34 ± 0.86 (FedU2-BYOL > FedBYOL confirmed at both),
+  without EUA 66.19 ± 1.41 / 66.23 ± 0.90: EUA's collapse is the alpha = 0.1 split's
+  (docs/notes/fedu2.md#fedu2-e10); the other rows not run at 0.5 / 5.
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
@@ -36,12 +40,12 @@ def rows(scale: str):
 
 
 
-def claims(column: str, metric: str):
-  """FedU2's claim (Table 2): FUR + EUA beat FedBYOL, FedEMA and each ablation at alpha = 0.1."""
+def claims(metric: str):
+  """FedU2's claim (Table 2): FUR + EUA beat FedBYOL, FedEMA and each ablation at every alpha
+  (the paper's FedU2 row is the best of every column); a verdict per column that has runs."""
   rows = ('FedBYOL', 'FedEMA-BYOL', 'FedU2-FUR-BYOL (no FUR)', 'FedU2-EUA-BYOL (no EUA)')
-  return tuple(reproduce.Claim(f'FedU2-BYOL > {r}', 'FedU2-BYOL', r, metric, (column,))
-               for r in rows) + (
-      reproduce.Claim('FedU2-BYOL learns', 'FedU2-BYOL', reproduce.RANDOM_INIT, metric, (column,)),)
+  return tuple(reproduce.Claim(f'FedU2-BYOL > {r}', 'FedU2-BYOL', r, metric) for r in rows) + (
+      reproduce.Claim('FedU2-BYOL learns', 'FedU2-BYOL', reproduce.RANDOM_INIT, metric),)
 
 # Table 2 of the paper, kNN (%), in the order C10 0.1, 0.5, 5, C100 0.1, 0.5, 5.
 PAPER = {
@@ -76,7 +80,7 @@ def get_table(scale: str) -> reproduce.Table:
       metrics=(('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_best', 'knn_acc_1pct',
                 'knn_acc_1pct_k20') if scale == 'quick' else ('knn_acc', 'knn_acc_best')),
       paper=paper, scale=scale,
-      claims=claims(next(iter(columns)), 'knn_acc'),
+      claims=claims('knn_acc'),
       notes=('kNN k=200, T=0.1: the last round and the best over the evaluated rounds. '
              'Orchestra: its first round sets up the global centroids (no training). '
              'Quick scale: Fashion-MNIST, LeNet-5, 20 rounds; not comparable to the CIFAR numbers.'))
