@@ -20,9 +20,8 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   docs/notes/fedu2.md#fedu2-e7. L-DAWA-BYOL probe 80.18 ± 0.80 against random init 79.18, while
   FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh features to one point, 10.00 on
   every metric: docs/notes/fedu2.md#fedu2-e4). Alpha = 0.5 / 5 for FedBYOL, FedU2-BYOL and FedU2
-  without EUA (3 seeds at 0.5; at 5, FedBYOL 3 seeds and the FedU2 rows 2): kNN FedBYOL 52.96 ± 3.77
-  / 53.40 ± 3.51, FedU2-BYOL 63.37 ± 1.92 / 66.34 ± 0.86 (FedU2-BYOL > FedBYOL confirmed at both),
-  without EUA 66.19 ± 1.41 / 66.23 ± 0.90: EUA's collapse is the alpha = 0.1 split's
+  without EUA (3 seeds each): kNN FedBYOL 52.96 ± 3.77 / 53.40 ± 3.51, FedU2-BYOL 63.37 ± 1.92 /
+  65.77 ± 1.17 (FedU2-BYOL > FedBYOL confirmed at both), without EUA 66.19 ± 1.41 / 65.90 ± 0.86: EUA's collapse is the alpha = 0.1 split's
   (docs/notes/fedu2.md#fedu2-e10); the other rows not run at 0.5 / 5.
 """
 from configs.fedu2 import common as fedu2_common
