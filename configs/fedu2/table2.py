@@ -21,8 +21,9 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh features to one point, 10.00 on
   every metric: docs/notes/fedu2.md#fedu2-e4). Alpha = 0.5 / 5 for FedBYOL, FedU2-BYOL and FedU2
   without EUA (3 seeds each): kNN FedBYOL 52.96 ± 3.77 / 53.40 ± 3.51, FedU2-BYOL 63.37 ± 1.92 /
-  65.77 ± 1.17 (FedU2-BYOL > FedBYOL confirmed at both), without EUA 66.19 ± 1.41 / 65.90 ± 0.86: EUA's collapse is the alpha = 0.1 split's
-  (docs/notes/fedu2.md#fedu2-e10); the other rows not run at 0.5 / 5.
+  65.77 ± 1.17 (FedU2-BYOL > FedBYOL confirmed at both), without EUA 66.19 ± 1.41 / 65.90 ± 0.86:
+  EUA's collapse is the alpha = 0.1 split's (docs/notes/fedu2.md#fedu2-e10); the other rows not
+  run at 0.5 / 5.
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce

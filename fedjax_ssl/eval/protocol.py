@@ -243,15 +243,18 @@ def standardize(train_f: Any, *others: Any, dtype=np.float32) -> Tuple[np.ndarra
 
 
 def _edge_warning(grid: np.ndarray, val_acc: Sequence[float], best: int, held_out: int) -> str:
-  """Says why the held-out choice of C fell on an edge of the grid (docs/notes/evaluation.md#eval-21):
-  every C tied (collapsed features, or a held-out split too small to tell them apart: ties go to the
-  smallest C), or the accuracy still rising at the edge (at C = max(grid) a plateau in practice)."""
-  where = f'the chosen C = {grid[best]:g} is at the edge of the grid [{grid[0]:g}, {grid[-1]:g}]'
+  """Says why the held-out choice of C fell on an edge of the grid (docs/notes/evaluation.md,
+  EVAL-21): every C tied (collapsed features, or a held-out split too small to tell them apart:
+  ties go to the smallest C), or the accuracy still rising at the edge (at C = max(grid) a plateau
+  in practice)."""
+  where = (f'the chosen C = {grid[best]:g} is at the edge of the grid '
+           f'[{grid[0]:g}, {grid[-1]:g}]')
   if max(val_acc) == min(val_acc):
     why = (f'every C ties at held-out accuracy {val_acc[0]:.3f} on {held_out} images (features '
-           'that do not separate the classes, or too few held-out images); ties take the smallest C')
+           'that do not separate the classes, or too few held-out images); ties take the '
+           'smallest C')
   elif best == 0:
-    why = f'the strongest penalty wins on {held_out} held-out images'
+    why = f'the strongest penalty scores best (or ties) on {held_out} held-out images'
   else:
     why = f'the held-out accuracy still rises at the weakest penalty ({held_out} held-out images)'
   return f'logistic_probe: {where}: {why}'

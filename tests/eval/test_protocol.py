@@ -155,7 +155,8 @@ def test_the_grid_edge_warning_says_why():
   flat = protocol._edge_warning(grid, [0.1] * 10, 0, 10)
   assert flat.startswith('logistic_probe: the chosen C = 0.0001 is at the edge of the grid '
                          '[0.0001, 100]: every C ties at held-out accuracy 0.100 on 10 images')
-  assert 'strongest penalty wins on 40' in protocol._edge_warning(grid, [0.5] + [0.4] * 9, 0, 40)
+  assert 'strongest penalty scores best (or ties) on 40' in protocol._edge_warning(
+      grid, [0.5] + [0.4] * 9, 0, 40)
   assert 'still rises at the weakest penalty' in protocol._edge_warning(
       grid, np.linspace(0.5, 0.8, 10).tolist(), 9, 40)
 
