@@ -5,6 +5,7 @@ r"""Compile one federated round without data or training: the device memory and 
   python -m experiments.plan --config configs/quickstart.py --config.num_clients=100 \
       --device_memory_gb 16
   python -m experiments.plan --table configs/fedu2/table2.py          # a table's FLOPs and hours
+  python -m experiments.plan --config configs/fedu2/paper_cross_silo.py --measure_rounds 1
 
 The federated data and the state are built abstractly (`jax.ShapeDtypeStruct`, `jax.eval_shape`)
 from what the dataset's catalog entry knows before loading (`data/info.py`: sizes, image shape,
@@ -22,13 +23,15 @@ the binary prints:
     C stored states stay in host memory. With 'device' it is the whole donated round, the C stored
     states included.
   * FLOPs: XLA's count of one local step (`cost_analysis()` of the jitted `local_step` on one
-    batch: forward and backward of both views, augmentation and optimiser update), the expected
-    real local steps of a round (E * max(n_k // B, 1) summed over the clients, times m / C), and
-    their product, `flops_per_round`. XLA's count of the whole compiled round is printed too
-    (`xla_round_flops`), but XLA counts every loop body once (a `while_loop` over 200 steps costs
-    one step), so it is no round total. Server aggregation, `prepare` and uploads computed from the
-    client's data (representation sharing's class means, Hetero-SSFL's RAD features) are left out
-    of `flops_per_round`; loops inside a step (FUR's 100 UOT iterations) count once.
+    batch: forward and backward of both views, augmentation and optimiser update; always an
+    XLA:CPU compile, `xla_flops`: XLA:GPU does not count the convolutions it gives cuDNN), the
+    expected real local steps of a round (E * max(n_k // B, 1) summed over the clients, times
+    m / C), and their product, `flops_per_round`. XLA's count of the whole compiled round is
+    printed too (`xla_round_flops`), but XLA counts every loop body once (a `while_loop` over 200
+    steps costs one step), so it is no round total. Server aggregation, `prepare` and uploads
+    computed from the client's data (representation sharing's class means, Hetero-SSFL's RAD
+    features) are left out of `flops_per_round`; loops inside a step (FUR's 100 UOT iterations)
+    count once.
   * whether the total fits `--device_memory_gb` times `--memory_fraction` (0.75: the share of the
     GPU that JAX's allocator preallocates by default, XLA_PYTHON_CLIENT_MEM_FRACTION).
 
@@ -46,17 +49,30 @@ approximation for MNIST and SVHN and where a public set is carved out at random.
 (algorithm and which parts of its block are on, method, encoders, batch, augmentation, heads, public
 set, image shape), and the hours at `--tflops`. An estimate, not a measurement.
 
+`--measure_rounds N` checks the plan on this machine's device: after planning, it trains N + 1
+rounds of the config for real on synthetic images of the planned dataset's shape, sizes and class
+counts (the same partition, so the same client sizes and steps), and adds `measured`: the first
+round's seconds (a warm-up; it compiles the round where client_state = 'host', while with 'device'
+the plan's compiled round runs as it is), the median seconds of the next N,
+the achieved FLOP/s (`flops_per_round` / that median) and the device's peak bytes in use
+(`memory_stats()`, None where the backend has none, as on a CPU) beside the planned total. The
+peak counts everything the process held on the device (the data, the state, the round's buffers),
+which is what the plan's total claims to bound. A round planned not to fit is not run.
+
 `--json` prints exactly one JSON object (a round: at least `bytes_per_device`, `flops_per_round`,
 `fits`). Exit status: 0 when the round fits (always for --table), 2 when it does not (one line on
 stderr with the numbers), 1 for a refused config or flag (e.g. a device memory <= 0).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 import sys
-from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
+import time
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -65,19 +81,20 @@ from ml_collections import config_flags
 
 from fedjax_ssl import algorithms, configuration, experiment, reproduce
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl.core import local, strategies
+from fedjax_ssl.core import local, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm, restore_client
 from fedjax_ssl.core.state import FedState
-from fedjax_ssl.data import partition
+from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.info import DatasetInfo
-from fedjax_ssl.data.types import DataInfo, FedData
+from fedjax_ssl.data.types import DataInfo, Dataset, FedData
 
 
 def _define_flags():
   """The binary's flags, defined only when it runs: the tests import this module beside
   experiments.train and experiments.reproduce, whose --config / --table would clash."""
   global _CONFIG, _DEVICE_MEMORY_GB, _MEMORY_FRACTION, _TARGET, _TABLE, _SCALE, _SEEDS, _TFLOPS, _JSON
+  global _MEASURE_ROUNDS
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
                                             lock_config=True)
   _DEVICE_MEMORY_GB = flags.DEFINE_float('device_memory_gb', 80.0,
@@ -94,6 +111,9 @@ def _define_flags():
   _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'The table seeds (--table).')
   _TFLOPS = flags.DEFINE_float('tflops', 18.0, 'Sustained TFLOP/s of the hours estimate (--table).')
   _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of the text report.')
+  _MEASURE_ROUNDS = flags.DEFINE_integer(
+      'measure_rounds', 0, 'After planning, train this many timed rounds (after one warm-up '
+      'round) on synthetic images of the planned shape and sizes; 0: plan only.')
 
 
 EXIT_DOES_NOT_FIT = 2
@@ -238,6 +258,18 @@ def _flops(compiled) -> float:
   return float(cost.get('flops', 0.0))
 
 
+def xla_flops(fn, *args) -> float:
+  """XLA's FLOP count of `jax.jit(fn)(*args)`, compiled for the CPU whatever this machine's backend.
+
+  Why the CPU: XLA:GPU hands convolutions to cuDNN as custom calls, which its cost analysis counts
+  as nothing: on an H100 it counted 12.9 GFLOP for a ResNet-18 BYOL step that XLA:CPU counts at
+  1.00 TFLOP (docs/notes/performance.md#perf-44). The inputs are made abstract, so the compile runs
+  on the default device, set here to the CPU."""
+  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+  with jax.default_device(jax.local_devices(backend='cpu')[0]):
+    return _flops(jax.jit(fn).lower(*abstract).compile())
+
+
 def step_flops(s: Setup, cohort: rd.Cohort, stack) -> float:
   """XLA's FLOPs of one local step of a participant of `cohort` on one batch (forward and backward,
   augmentation, optimiser update), on the state `begin` gives it."""
@@ -257,7 +289,7 @@ def step_flops(s: Setup, cohort: rd.Cohort, stack) -> float:
   if not s.config.drop_last:
     batch['mask'] = jax.ShapeDtypeStruct((b,), jnp.bool_)
   lr = jax.ShapeDtypeStruct((), jnp.float32)
-  return _flops(jax.jit(ca.local_step).lower(client, batch, _key(), msg, lr).compile())
+  return xla_flops(ca.local_step, client, batch, _key(), msg, lr)
 
 
 def real_steps(sizes: np.ndarray, config: ml_collections.ConfigDict) -> float:
@@ -289,19 +321,26 @@ def check_memory_flags(device_memory_gb: float, memory_fraction: float) -> None:
 
 
 def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
-         memory_fraction: float = 0.75, target: str = 'gpu') -> Dict[str, Any]:
-  """Compiles one round of `config` abstractly; returns its memory, FLOPs and whether it fits.
+         memory_fraction: float = 0.75, target: str = 'gpu', measure_rounds: int = 0
+         ) -> Dict[str, Any]:
+  """Compiles one round of `config` abstractly; returns its memory, FLOPs and whether it fits, and
+  with `measure_rounds` > 0 what training that many rounds here measured (`measured`).
 
-  Raises cv.ConfigError for a refused config, device memory or fraction.
+  Raises cv.ConfigError for a refused config, device memory, fraction or round count.
   """
   check_memory_flags(device_memory_gb, memory_fraction)
+  if measure_rounds < 0:
+    raise cv.ConfigError(f'--measure_rounds = {measure_rounds} is invalid: must be >= 0')
   s = setup(config, target)
   config = s.config
+  # Progress on stderr: a compile can take minutes (a run stopped by a time limit says where).
+  logging.info('compiling the round abstractly')
   compiled, input_bytes, holds = compile_round(s)
   mem = memory(compiled, input_bytes)
+  logging.info('counting the FLOPs of a local step (an XLA:CPU compile)')
   per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, config)
   usable = device_memory_gb * memory_fraction * GIB
-  return {
+  p = {
       'algorithm': s.algo.name, 'ssl_method': config.ssl_method, 'dataset': s.info.name,
       'image_shape': list(s.info.image_shape),
       'encoders': [e for _, e in algorithms.registry.encoders(config)],
@@ -321,6 +360,61 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
       'device_memory_bytes': int(device_memory_gb * GIB), 'memory_fraction': memory_fraction,
       'usable_bytes': int(usable), 'fits': mem['total_bytes'] <= usable,
   }
+  if measure_rounds and p['fits']:  # a round planned not to fit is not started
+    m = measure(s, measure_rounds, compiled)
+    m['flops_per_second'] = p['flops_per_round'] / m['seconds_per_round']
+    p['measured'] = m
+  return p
+
+
+def synthetic_dataset(config: ml_collections.ConfigDict, info: DatasetInfo) -> Dataset:
+  """Synthetic images of `info`'s shape, classes and training size (`config.train_size` if set),
+  their labels in the order of `balanced_labels`: the labels the plan partitions, so the clients
+  get the planned sizes (a public set's random carve depends on the order too)."""
+  ds = sources.make_synthetic(config.seed, num_train=config.train_size or info.num_train,
+                              num_test=min(info.num_test, 1000),
+                              image_shape=tuple(info.image_shape), num_classes=info.num_classes)
+  planned = balanced_labels(len(ds.train_y), info.num_classes)
+  order = np.empty(len(planned), np.int64)
+  for c in range(info.num_classes):  # the class counts agree: both are balanced
+    order[planned == c] = np.flatnonzero(ds.train_y == c)
+  return dataclasses.replace(ds, train_x=ds.train_x[order], train_y=ds.train_y[order])
+
+
+def _peak_device_bytes() -> Optional[int]:
+  stats = jax.local_devices()[0].memory_stats()
+  return int(stats['peak_bytes_in_use']) if stats and 'peak_bytes_in_use' in stats else None
+
+
+def measure(s: Setup, rounds: int, compiled=None) -> Dict[str, Any]:
+  """Trains `rounds` + 1 rounds of the planned config on this machine's device (module docstring);
+  returns the first round's seconds, the median of the others and the peak device bytes.
+
+  `compiled`: the plan's compiled whole round (client_state 'device'), run as it is rather than
+  compiled a second time (a paper-scale round compiles for a minute or more on a GPU)."""
+  if rounds < 1:
+    raise cv.ConfigError(f'--measure_rounds = {rounds} is invalid: must be >= 1 (0: plan only)')
+  config = s.config
+  dataset = synthetic_dataset(config, s.info)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  if not np.array_equal(np.asarray(fed_data.n), s.sizes):  # the plan's partition, or no check
+    raise RuntimeError('the synthetic partition differs from the planned client sizes')
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  init_key, run_key = experiment.run_keys(config)
+  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+  step = (compiled if compiled is not None and config.client_state == 'device' else
+          rd.make_round_step(algo, experiment.round_config(config), config.num_clients))
+  seconds = []
+  for r in range(rounds + 1):
+    logging.info('measuring: round %d of %d', r + 1, rounds + 1)
+    start = time.perf_counter()
+    state, metrics = step(state, fed_data, rng.round_key(run_key, r))
+    jax.block_until_ready((state, metrics))
+    seconds.append(time.perf_counter() - start)
+  return {'rounds_timed': rounds, 'first_round_seconds': seconds[0],
+          'seconds_per_round': statistics.median(seconds[1:]),
+          'peak_device_bytes': _peak_device_bytes(),
+          'device': str(jax.local_devices()[0].device_kind)}
 
 
 def _variant(config: ml_collections.ConfigDict) -> str:
@@ -430,6 +524,17 @@ def text(p: Dict[str, Any]) -> str:
        f'({p["device_memory_bytes"] / GIB:g} GiB x {p["memory_fraction"]:g})' if p['fits'] else
        not_fit_message(p)),
   ]
+  m = p.get('measured')
+  if m:
+    peak = ('n/a (no memory statistics on this backend)' if m['peak_device_bytes'] is None else
+            f'{_gib(m["peak_device_bytes"])} (planned {_gib(p["bytes_per_device"])})')
+    lines += [
+        f'measured on {m["device"]} ({p["backend"]}), synthetic images of the planned shape and '
+        f'sizes: first round {m["first_round_seconds"]:.1f} s (warm-up), then '
+        f'{m["seconds_per_round"]:.2f} s per round (median of {m["rounds_timed"]}) -> '
+        f'{_flop_text(m["flops_per_second"])}/s of the step count above',
+        f'  peak device memory in use: {peak}',
+    ]
   return '\n'.join(lines)
 
 
@@ -461,7 +566,8 @@ def main(argv):
     e = table_estimate(_TABLE.value, _SCALE.value, seeds, _TFLOPS.value, _TARGET.value)
     print(json.dumps(e, sort_keys=True) if _JSON.value else table_text(e), flush=True)
     return
-  p = plan(_CONFIG.value, _DEVICE_MEMORY_GB.value, _MEMORY_FRACTION.value, _TARGET.value)
+  p = plan(_CONFIG.value, _DEVICE_MEMORY_GB.value, _MEMORY_FRACTION.value, _TARGET.value,
+           _MEASURE_ROUNDS.value)
   print(json.dumps(p, sort_keys=True) if _JSON.value else text(p), flush=True)
   if not p['fits']:
     print(f'error: {not_fit_message(p)}', file=sys.stderr)

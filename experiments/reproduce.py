@@ -12,9 +12,12 @@ file changed) is reported, never overwritten. Compiled programs are cached in DI
 cache), so seeds after the first skip most compilation. The raw-pixel reference row is evaluated
 once per seed and shared by the runs that read the same pixels (DIR/references, keyed by a digest of
 the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv,
-DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number);
-at the end DIR/curves.png plots each cell's kNN monitor against rounds. `--only` takes cell names
-or fnmatch patterns ('fedbyol.*'); `--list` prints the cells and exits.
+DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number)
+from every run of the table under DIR, whichever cells and seeds this invocation ran; cells with no
+run under DIR keep their entries of the earlier DIR/table.csv (marked as carried in table.md), so a
+fresh clone, which has the tables but not the runs, can add cells to a committed table. At the end
+DIR/curves.png plots each cell's kNN monitor against rounds (the runs under DIR). `--only` takes
+cell names or fnmatch patterns ('fedbyol.*'); `--list` prints the cells and exits.
 """
 from __future__ import annotations
 
@@ -141,6 +144,17 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     log.open(str(out / 'reproduce.log'))
     table = reproduce.with_overrides(reproduce.load_table(table_path, scale), overrides or {})
     runs = reproduce.plan_runs(table, seeds, only)
+    # The outputs summarise every run of the table under OUT, and keep the earlier table.csv's
+    # entries of cells with no run here (read once: each write below replaces the file).
+    summarised = reproduce.table_runs(table, seeds, only, out)
+    previous = reproduce.read_csv(out / 'table.csv')
+    shown_seeds = sorted({r.seed for r in summarised} |
+                         {s for e in previous for s in e['seeds']})
+
+  def write():
+    summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
+    reproduce.write_outputs(table, summary, out, shown_seeds, command)
+    return summary
   if not jax.config.jax_compilation_cache_dir:
     # The seeds of a cell compile the same programs: a persistent cache under OUT compiles each once.
     jax.config.update('jax_compilation_cache_dir', str(out / 'jax_cache'))
@@ -161,11 +175,10 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
       _write_error(workdir, e)
       tqdm.tqdm.write(f'run {run.name} failed: {type(e).__name__}: {e}')
     grid.update(1)
-    reproduce.write_outputs(table, reproduce.summarize(table, runs, out), out, seeds, command)
+    write()
   grid.close()
-  summary = reproduce.summarize(table, runs, out)
-  reproduce.write_outputs(table, summary, out, seeds, command)
-  reproduce.plot_curves(table, reproduce.curves(table, runs, out), out / 'curves.png')
+  summary = write()
+  reproduce.plot_curves(table, reproduce.curves(table, summarised, out), out / 'curves.png')
   return summary
 
 

@@ -344,6 +344,29 @@ def plan_runs(table: Table, seeds: Sequence[int], only: Sequence[str] = ()) -> L
   return list(runs.values())
 
 
+def seeds_on_disk(out: pathlib.Path) -> List[int]:
+  """The seeds of the run directories under OUT/runs (`<cell>/seed<k>`)."""
+  found = set()
+  for d in (pathlib.Path(out) / 'runs').glob('*/seed*'):
+    m = re.fullmatch(r'seed(\d+)', d.name)
+    if m and d.is_dir():
+      found.add(int(m.group(1)))
+  return sorted(found)
+
+
+def table_runs(table: Table, seeds: Sequence[int], only: Sequence[str], out: pathlib.Path
+               ) -> List[RunSpec]:
+  """The runs a table's outputs summarise: this invocation's (`seeds`, `only`) and every other run
+  of the table with a result or an error under `out`, at any seed, so that running some cells or
+  seeds rewrites the whole table rather than a table of those alone."""
+  current = plan_runs(table, seeds, only)
+  names = {r.name for r in current}
+  others = [r for r in plan_runs(table, sorted(set(seeds) | set(seeds_on_disk(out))))
+            if r.name not in names and r.config is not None
+            and run_status(r, out)[0] != 'missing']
+  return sorted(current + others, key=lambda r: r.seed)  # seed-major, as plan_runs
+
+
 def run_status(run: RunSpec, out: pathlib.Path) -> Tuple[str, Any]:
   """('done', results) | ('failed', error text) | ('stale', error text) | ('missing', None), read
   from the run's workdir. 'stale': the workdir holds a run of another config (the table file changed
@@ -423,6 +446,8 @@ def _paired(summary: Sequence[Dict[str, Any]], claim: Claim, column: str
     return None
   if claim.worse in (RANDOM_INIT, RAW_PIXELS):
     key = 'random_init_values' if claim.worse == RANDOM_INIT else 'raw_pixels_values'
+    if len(hi[key]) != len(hi['values']):  # carried from a csv without per-seed references
+      return None
     pairs = [(a, b) for a, b in zip(hi['values'], hi[key]) if math.isfinite(b)]
   else:
     lo = by_key.get((claim.worse, column, claim.metric))
@@ -455,13 +480,20 @@ def verdict(better: Sequence[float], worse: Sequence[float]) -> Dict[str, Any]:
 def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
   """One entry per (claim, column) with results: claim, column, metric, n, effect, spread, verdict."""
   out = []
+  by_key = {(e['row'], e['column'], e['metric']): e for e in summary}
   for claim in table.claims:
     for column in claim.columns or tuple(table.columns):
       pair = _paired(summary, claim, column)
-      if pair is None:
+      if pair is not None:
+        found = verdict(*pair)
+      elif (claim.better, column, claim.metric) in by_key and claim.worse in (RANDOM_INIT,
+                                                                             RAW_PIXELS):
+        found = {'n': 0, 'effect': float('nan'), 'spread': float('nan'),
+                 'verdict': 'no per-seed reference values (carried from an older table.csv)'}
+      else:
         continue
       out.append({'claim': claim.text, 'better': claim.better, 'worse': claim.worse,
-                  'column': column, 'metric': claim.metric, **verdict(*pair)})
+                  'column': column, 'metric': claim.metric, **found})
   return out
 
 
@@ -490,21 +522,72 @@ def _no_value(entry: Dict[str, Any]) -> str:
   return 'failed' if entry['errors'] else 'diverged' if entry['diverged'] else 'pending'
 
 
+# table.csv's columns. The per-seed reference values (random-init encoder, raw pixels) pair each
+# seed with its own reference in the 'learns' verdicts, also for a table rebuilt from the csv alone.
+CSV_FIELDS = ('row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
+              'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'random_init_values',
+              'raw_pixels_values', 'pending', 'errors', 'diverged')
+_LIST_FIELDS = ('seeds', 'values', 'random_init_values', 'raw_pixels_values', 'errors', 'diverged')
+
+
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
-  fields = ['row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
-            'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'pending', 'errors',
-            'diverged']
   tmp = path.with_suffix('.csv.tmp')
   with open(tmp, 'w', newline='') as f:
-    w = csv.DictWriter(f, fieldnames=fields)
+    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
     w.writeheader()
     for e in summary:
-      w.writerow({**{k: e[k] for k in fields
-                     if k not in ('seeds', 'values', 'errors', 'diverged')},
+      w.writerow({**{k: e[k] for k in CSV_FIELDS if k not in _LIST_FIELDS},
                   'seeds': ' '.join(str(s) for s in e['seeds']),
-                  'values': ' '.join(f'{v:.4f}' for v in e['values']),
+                  **{k: ' '.join(f'{v:.4f}' for v in e[k])
+                     for k in ('values', 'random_init_values', 'raw_pixels_values')},
                   'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged'])})
   tmp.replace(path)
+
+
+def read_csv(path: pathlib.Path) -> List[Dict[str, Any]]:
+  """The summary entries of a table.csv (`write_csv`'s inverse, values to 4 decimals); [] when the
+  file does not exist. A csv written before the per-seed reference columns existed gives empty
+  reference lists (its 'learns' verdicts then have no pairs)."""
+  path = pathlib.Path(path)
+  if not path.exists():
+    return []
+
+  def number(text):
+    return None if text in ('', None) else float(text)
+
+  def floats(text):
+    return [float(v) for v in (text or '').split()]
+
+  entries = []
+  with open(path, newline='') as f:
+    for r in csv.DictReader(f):
+      entries.append({
+          'row': r['row'], 'column': r['column'], 'cell': r['cell'], 'metric': r['metric'],
+          'n': int(r['n']), 'mean': float(r['mean']), 'std': float(r['std']),
+          'paper': number(r['paper']), 'diff': number(r['diff']),
+          'random_init_mean': float(r['random_init_mean']),
+          'raw_pixels_mean': float(r['raw_pixels_mean']),
+          'seeds': [int(v) for v in r['seeds'].split()], 'values': floats(r['values']),
+          'random_init_values': floats(r.get('random_init_values')),
+          'raw_pixels_values': floats(r.get('raw_pixels_values')),
+          'pending': int(r['pending']),
+          'errors': r['errors'].split(' | ') if r['errors'] else [],
+          'diverged': r['diverged'].split(' | ') if r['diverged'] else []})
+  return entries
+
+
+def carry_over(table: Table, summary: Sequence[Dict[str, Any]],
+               previous: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """`summary` and, for the table's cells it has no result of, their entries in `previous` (an
+  earlier table.csv of the same table, `read_csv`), marked 'carried': running some cells rewrites
+  the table without losing the others, also where their runs are gone (a fresh clone keeps the
+  tables, not the runs). A cell whose runs are all still to run (pending: no value, error or
+  divergence yet) keeps its earlier entry until one finishes."""
+  have = {e['cell'] for e in summary if e['n'] or e['errors'] or e['diverged']}
+  cells = {cell_id(r, c) for r, c in table.cells()}
+  kept = [e for e in summary if e['cell'] in have or e['cell'] not in {p['cell'] for p in previous}]
+  return kept + [dict(e, carried=True) for e in previous
+                 if e['cell'] not in have and e['cell'] in cells and e['metric'] in table.metrics]
 
 
 def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[int],
@@ -548,6 +631,10 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       if (cell, err) not in seen:
         seen.add((cell, err))
         lines.append(f'- `{cell}` {err.splitlines()[0] if err else ""}')
+  carried = sorted({e['cell'] for e in summary if e.get('carried')})
+  if carried:
+    lines += ['', f'Carried from the previous table.csv (no run of theirs under this output '
+              f'directory): {", ".join(f"`{c}`" for c in carried)}.']
   if table.notes:
     lines += ['', table.notes.strip()]
   found = verdicts(table, summary)

@@ -23,6 +23,11 @@ with the stored states on the device and donated:
                       1.83 PFLOP per round, 183 PFLOP in 100 rounds: about 2.8 h at 18 TFLOP/s
                       (an estimate, not a measurement)
 
+Measured on an H100 80GB at E = 1 (docs/notes/performance.md#perf-44; `--measure_rounds 1
+--config.local_epochs=1`): 42.31 GiB peak in use (the GPU compile planned 42.28 GiB), one round of
+366 steps in 5.63 s (65 TFLOP/s), so at E = 5 about 28 s a round and 47 min for the 100 rounds of
+training (extrapolated from one timed round).
+
 Chunks of more participants cost about 1.1 GB each (chunk 10: +10 GB); client_state='host' fits
 too but costs more (54.65 GiB at chunk 1: the stored states copied in are on the device whether or
 not the round reads them, and FedU2's begin overwrites them). 10 per round: 21.32 GiB, 0.18 PFLOP

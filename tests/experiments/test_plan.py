@@ -1,18 +1,22 @@
 """experiments.plan on tiny configs: the round's memory adds up, FLOPs per round = FLOPs per step x
 real steps, host-placed client state leaves the C - m stored states off the device, the --json
 object's keys, exit status 2 for a round that does not fit (one line with the numbers), the refusal
-of a device memory <= 0 (exit status 1), and a table's estimate."""
+of a device memory <= 0 (exit status 1), a table's estimate, the FLOP count (XLA:CPU's, exact for a
+convolution and a matmul) and --measure_rounds (the planned round trained on synthetic images of
+the planned client sizes)."""
 import json
 import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import plan
 from configs import quickstart
-from fedjax_ssl import configuration, reproduce
+from fedjax_ssl import configuration, experiment, reproduce
 from fedjax_ssl.data import partition
 from tests import subprocess_env
 
@@ -114,3 +118,35 @@ def test_table_estimate_is_the_sum_of_its_runs():
     assert g['flops'] == pytest.approx(g['runs'] * steps * g['flops_per_step'][0])
   assert e['flops_total'] == pytest.approx(sum(g['flops'] for g in e['groups'].values()))
   assert e['hours'] == pytest.approx(e['flops_total'] / 10e12 / 3600)
+
+
+def test_xla_flops_counts_a_convolution_and_a_matmul_exactly():
+  # VALID convolution: every output element is Cin * K * K multiply-adds (2 FLOPs each).
+  x, w = np.ones((4, 3, 10, 10), np.float32), np.ones((5, 3, 3, 3), np.float32)
+  conv = plan.xla_flops(lambda x, w: jax.lax.conv(x, w, (1, 1), 'VALID'), x, w)
+  assert conv == 2 * 4 * 5 * 8 * 8 * 3 * 3 * 3
+  a, b = np.ones((7, 11), np.float32), np.ones((11, 13), np.float32)
+  assert plan.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13
+
+
+def test_the_synthetic_stand_in_has_the_planned_client_sizes():
+  # Dirichlet with a public set carved out: the partition draws depend on the class counts only.
+  config = plan.resolve_for(_config(partition='dirichlet', alpha=0.3, public_size=16), 'cpu')
+  info = configuration.dataset_info(config)
+  fed, _ = experiment.build_fed_data(config, plan.synthetic_dataset(config, info))
+  np.testing.assert_array_equal(np.asarray(fed.n), plan.client_sizes(config, info))
+
+
+def test_measure_trains_the_planned_round_and_reports_its_time():
+  p = plan.plan(_config(), target='cpu', measure_rounds=2)
+  m = p['measured']
+  assert m['rounds_timed'] == 2 and m['first_round_seconds'] > 0 and m['seconds_per_round'] > 0
+  assert m['flops_per_second'] == pytest.approx(p['flops_per_round'] / m['seconds_per_round'])
+  assert m['peak_device_bytes'] is None  # XLA:CPU keeps no memory statistics
+  assert 'measured on cpu' in plan.text(p) and 'n/a' in plan.text(p)
+  host = plan.plan(_config(client_state='host'), target='cpu', measure_rounds=1)['measured']
+  assert host['rounds_timed'] == 1 and host['seconds_per_round'] > 0  # its own round_step
+  tiny = plan.plan(_config(), device_memory_gb=0.001, measure_rounds=2)
+  assert not tiny['fits'] and 'measured' not in tiny  # a round planned not to fit is not run
+  with pytest.raises(plan.cv.ConfigError, match=r'--measure_rounds = -1 is invalid: must be >= 0'):
+    plan.plan(_config(), measure_rounds=-1)

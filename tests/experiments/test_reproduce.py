@@ -1,9 +1,12 @@
 """experiments.reproduce on a two-cell, one-seed, one-round table (plus a cell that fails): the three
 outputs are written, a failing cell is recorded while the others finish, a rerun after deleting one
-cell's result reruns only that cell, and the summary statistics are right."""
+cell's result reruns only that cell, and the summary statistics are right; table.csv round-trips,
+and a run of some cells or seeds keeps the rest of the table (runs on disk, else the earlier
+csv)."""
 import csv
 import json
 import pathlib
+import shutil
 import textwrap
 
 import numpy as np
@@ -96,6 +99,21 @@ def test_reproduce_writes_outputs_records_failures_and_reruns_only_missing(tmp_p
   assert calls == ['fedsimclr.dir-1/seed0']
   assert kept.stat().st_mtime_ns == kept_mtime
   assert int(_read_csv(out / 'table.csv')[('fedsimclr.dir-1', 'knn_acc')]['n']) == 1
+
+  # Another seed of one cell: the table keeps every run on disk (both seeds, the other cells).
+  calls.clear()
+  binary.run_table(str(table_file), str(out), seeds=[1], only=['fedsimclr.iid'])
+  assert calls == ['fedsimclr.iid/seed1']
+  rows = _read_csv(out / 'table.csv')
+  assert (rows[('fedsimclr.iid', 'knn_acc')]['seeds'], rows[('fedsimclr.dir-1', 'knn_acc')]['n'],
+          rows[('broken.iid', 'knn_acc')]['n']) == ('0 1', '1', '0')
+  assert 'seeds [0, 1]' in (out / 'table.md').read_text()
+  # A cell whose runs are gone (a fresh clone has the tables, not the runs) is carried.
+  shutil.rmtree(out / 'runs' / 'fedsimclr.dir-1')
+  binary.run_table(str(table_file), str(out), seeds=[1], only=['fedsimclr.iid'])
+  assert _read_csv(out / 'table.csv')[('fedsimclr.dir-1', 'knn_acc')] == (
+      rows[('fedsimclr.dir-1', 'knn_acc')])
+  assert 'this output directory): `fedsimclr.dir-1`.' in (out / 'table.md').read_text()
 
   # The table file changes under a finished cell: its result is reported stale, not reused or
   # overwritten.
@@ -238,6 +256,59 @@ def test_claims_are_checked_and_end_table_md_with_a_verdict(tmp_path):
   assert found[reproduce.RANDOM_INIT]['verdict'] == 'not confirmed'
   md = reproduce.markdown(table, summary, [0, 1, 2])
   assert '## Verdict' in md and '| A beats B | IID | linear probe (%) | +9.00 | 2.00 | 3 | **confirmed** |' in md
+
+
+def test_a_table_keeps_the_cells_and_seeds_this_invocation_did_not_run(tmp_path):
+  rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')},
+                 claims=(reproduce.Claim('A beats B', 'A', 'B', 'probe_acc'),
+                         reproduce.Claim('A learns', 'A', reproduce.RANDOM_INIT, 'probe_acc')))
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    a = run.cells[0][0] == 'A'
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': (0.80 if a else 0.70) + 0.01 * run.seed},
+         'random_init': {'probe_acc': 0.60 + 0.002 * run.seed}, 'raw_pixels': {'probe_acc': 0.9}}))
+  summary = reproduce.summarize(table, runs, tmp_path)
+  # table.csv holds everything a summary entry needs, the per-seed references included.
+  reproduce.write_csv(summary, tmp_path / 'table.csv')
+  back = reproduce.read_csv(tmp_path / 'table.csv')
+  for e, b in zip(summary, back):
+    assert b['seeds'] == e['seeds'] and (b['n'], b['pending'], b['errors']) == (e['n'], 0, [])
+    for key in ('values', 'random_init_values', 'raw_pixels_values'):
+      np.testing.assert_allclose(b[key], e[key], atol=5e-5)  # written to 4 decimals
+  for b, e in zip(reproduce.verdicts(table, back), reproduce.verdicts(table, summary)):
+    assert (b['claim'], b['verdict'], b['n']) == (e['claim'], e['verdict'], e['n'])
+    np.testing.assert_allclose([b['effect'], b['spread']], [e['effect'], e['spread']], atol=1e-4)
+  # Running A's seed 1 alone summarises every run on disk: both cells, all three seeds.
+  assert {r.name for r in reproduce.table_runs(table, [1], ['a.*'], tmp_path)} == (
+      {r.name for r in runs})
+  # B's runs gone (a fresh clone): its entry is carried from the earlier csv, and the claim on it
+  # is still judged; a csv without per-seed references cannot pair A with its random init.
+  a_only = [r for r in runs if r.cells[0][0] == 'A']
+  carried = reproduce.carry_over(table, reproduce.summarize(table, a_only, tmp_path), back)
+  assert [(e['cell'], e.get('carried', False)) for e in carried] == [('a.iid', False),
+                                                                      ('b.iid', True)]
+  # So is a cell whose runs are all still pending (a full invocation that has not reached it).
+  pending = [dict(e, n=0, values=[], seeds=[], pending=3) if e['cell'] == 'b.iid' else e
+             for e in summary]
+  assert [(e['n'], e.get('carried')) for e in reproduce.carry_over(table, pending, back)
+          if e['cell'] == 'b.iid'] == [(3, True)]
+  found = {v['worse']: v for v in reproduce.verdicts(table, carried)}
+  np.testing.assert_allclose(found['B']['effect'], 10.0, atol=1e-3)
+  assert found['B']['verdict'] == 'confirmed'
+  old = [dict(e, random_init_values=[], raw_pixels_values=[]) for e in back]
+  no_refs = {v['worse']: v['verdict'] for v in reproduce.verdicts(table, old)}
+  assert no_refs[reproduce.RANDOM_INIT].startswith('no per-seed reference values')
+  assert no_refs['B'] == 'confirmed'
+  md = reproduce.markdown(table, carried, [0, 1, 2])
+  assert ('Carried from the previous table.csv (no run of theirs under this output directory): '
+          '`b.iid`.') in md
+  # Cells the table no longer has are not carried.
+  assert reproduce.carry_over(_table(rows={'A': rows['A']}, columns={'IID': {}}), [], back) == [
+      dict(e, carried=True) for e in back if e['cell'] == 'a.iid']
 
 
 def test_a_table_refuses_a_scale_it_does_not_define(tmp_path):
