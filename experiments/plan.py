@@ -266,7 +266,14 @@ def xla_flops(fn, *args) -> float:
   1.00 TFLOP (docs/notes/performance.md#perf-44). The inputs are made abstract, so the compile runs
   on the default device, set here to the CPU."""
   abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  with jax.default_device(jax.local_devices(backend='cpu')[0]):
+  try:
+    cpu = jax.local_devices(backend='cpu')[0]
+  except RuntimeError:  # JAX_PLATFORMS without 'cpu': count on the default backend
+    logging.warning('no CPU backend (JAX_PLATFORMS=%s): FLOPs counted by %s, which may leave out '
+                    'convolutions; add cpu to JAX_PLATFORMS for the full count',
+                    jax.config.jax_platforms, jax.default_backend())
+    return _flops(jax.jit(fn).lower(*abstract).compile())
+  with jax.default_device(cpu):
     return _flops(jax.jit(fn).lower(*abstract).compile())
 
 

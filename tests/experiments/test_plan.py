@@ -129,6 +129,14 @@ def test_xla_flops_counts_a_convolution_and_a_matmul_exactly():
   assert plan.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13
 
 
+def test_xla_flops_without_a_cpu_backend_counts_on_the_default_one(monkeypatch):
+  def no_cpu(backend=None):
+    raise RuntimeError(f'Unknown backend {backend}')
+  monkeypatch.setattr(jax, 'local_devices', no_cpu)
+  a, b = np.ones((7, 11), np.float32), np.ones((11, 13), np.float32)
+  assert plan.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13  # here the default is the CPU
+
+
 def test_the_synthetic_stand_in_has_the_planned_client_sizes():
   # Dirichlet with a public set carved out: the partition draws depend on the class counts only.
   config = plan.resolve_for(_config(partition='dirichlet', alpha=0.3, public_size=16), 'cpu')
