@@ -20,12 +20,12 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   docs/notes/fedu2.md#fedu2-e7. L-DAWA-BYOL probe 80.18 ± 0.80 against random init 79.18, while
   FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh features to one point, 10.00 on
   every metric: docs/notes/fedu2.md#fedu2-e4). Alpha = 0.5 / 5, 3 seeds each: kNN FedBYOL
-  52.96 ± 3.77 / 53.40 ± 3.51, FedU-BYOL 52.92 / 53.82, FedEMA-BYOL 52.67 / 53.98, FedU2 without
-  FUR 49.78 / 52.17, without EUA 66.19 ± 1.41 / 65.90 ± 0.86, FedU2-BYOL 63.37 ± 1.92 /
-  65.77 ± 1.17: FedU2-BYOL > FedBYOL, > FedEMA-BYOL and > without FUR confirmed at both (+10.4 to
-  +13.6), all of it FUR's (EUA adds nothing; its collapse is the alpha = 0.1 split's);
-  FedDecorr-BYOL collapses at 0.5 too (docs/notes/fedu2.md#fedu2-e10, #fedu2-e11). Not run at 0.5 / 5: L-DAWA-,
-  FedX-BYOL, Orchestra, supervised FedAvg, FedDecorr-BYOL at 5.
+  52.96 ± 3.77 / 53.40 ± 3.51, FedU-BYOL 52.92 / 53.82, FedEMA-BYOL 52.67 / 53.98, L-DAWA-BYOL
+  55.45 / 54.50, FedU2 without FUR 49.78 / 52.17, without EUA 66.19 ± 1.41 / 65.90 ± 0.86,
+  FedU2-BYOL 63.37 ± 1.92 / 65.77 ± 1.17: FedU2-BYOL > FedBYOL, > FedEMA-BYOL and > without FUR
+  confirmed at both (+10.4 to +13.6), all of it FUR's (EUA adds nothing; its collapse is the
+  alpha = 0.1 split's); FedDecorr-BYOL collapses at 0.5 too (docs/notes/fedu2.md#fedu2-e10,
+  #fedu2-e11). Not run at 0.5 / 5: FedX-BYOL, Orchestra, supervised FedAvg, FedDecorr-BYOL at 5.
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
