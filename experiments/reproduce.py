@@ -146,7 +146,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     runs = reproduce.plan_runs(table, seeds, only)
     # The outputs summarise every run of the table under OUT, and keep the earlier table.csv's
     # entries of cells with no run here (read once: each write below replaces the file).
-    summarised = reproduce.table_runs(table, seeds, only, out)
+    summarised = reproduce.table_runs(table, runs, out)
     previous = reproduce.read_csv(out / 'table.csv')
     shown_seeds = sorted({r.seed for r in summarised} |
                          {s for e in previous for s in e['seeds']})

@@ -354,17 +354,16 @@ def seeds_on_disk(out: pathlib.Path) -> List[int]:
   return sorted(found)
 
 
-def table_runs(table: Table, seeds: Sequence[int], only: Sequence[str], out: pathlib.Path
-               ) -> List[RunSpec]:
-  """The runs a table's outputs summarise: this invocation's (`seeds`, `only`) and every other run
-  of the table with a result or an error under `out`, at any seed, so that running some cells or
-  seeds rewrites the whole table rather than a table of those alone."""
-  current = plan_runs(table, seeds, only)
+def table_runs(table: Table, current: Sequence[RunSpec], out: pathlib.Path) -> List[RunSpec]:
+  """The runs a table's outputs summarise: this invocation's (`current`, from `plan_runs`) and
+  every other run of the table with a result or an error under `out`, at any seed, so that running
+  some cells or seeds rewrites the whole table rather than a table of those alone."""
   names = {r.name for r in current}
-  others = [r for r in plan_runs(table, sorted(set(seeds) | set(seeds_on_disk(out))))
+  seeds = {r.seed for r in current} | set(seeds_on_disk(out))
+  others = [r for r in plan_runs(table, sorted(seeds))
             if r.name not in names and r.config is not None
             and run_status(r, out)[0] != 'missing']
-  return sorted(current + others, key=lambda r: r.seed)  # seed-major, as plan_runs
+  return sorted([*current, *others], key=lambda r: r.seed)  # seed-major, as plan_runs
 
 
 def run_status(run: RunSpec, out: pathlib.Path) -> Tuple[str, Any]:

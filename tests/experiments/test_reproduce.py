@@ -283,7 +283,8 @@ def test_a_table_keeps_the_cells_and_seeds_this_invocation_did_not_run(tmp_path)
     assert (b['claim'], b['verdict'], b['n']) == (e['claim'], e['verdict'], e['n'])
     np.testing.assert_allclose([b['effect'], b['spread']], [e['effect'], e['spread']], atol=1e-4)
   # Running A's seed 1 alone summarises every run on disk: both cells, all three seeds.
-  assert {r.name for r in reproduce.table_runs(table, [1], ['a.*'], tmp_path)} == (
+  assert {r.name for r in reproduce.table_runs(
+      table, reproduce.plan_runs(table, [1], ['a.*']), tmp_path)} == (
       {r.name for r in runs})
   # B's runs gone (a fresh clone): its entry is carried from the earlier csv, and the claim on it
   # is still judged; a csv without per-seed references cannot pair A with its random init.
