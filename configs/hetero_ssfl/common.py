@@ -14,6 +14,15 @@ step (A8). Baselines: ResNet-34 on every client (the paper's homogeneous compari
 `quick_base()`: the same method on the first 10,000 Fashion-MNIST training images with a 1,000-image
 RAD, 5 clients x 2 disjoint classes, a mix of 3 small CNNs and 2 MLPs with 256(BN)-128 heads, 15
 rounds of 1 local epoch at batch 64, RAD sub-batches of 250; sized for a 2-core CPU.
+
+`evidence_base()`: a budget where the base SSL method learns on a 2-core CPU. BYOL does not within
+hours here (docs/notes/evaluation.md#eval-17: FedBYOL at 50 rounds of 20,000 images is level with
+its random init), so this scale runs the alignment over SimCLR (Φ = the projector output; the
+paper aligns BYOL's predictor output): the first 20,000 Fashion-MNIST training images with a
+1,000-image RAD, 5 clients x 2 disjoint classes, a mix of 3 small CNNs and 2 LeNet-5s (the two
+architectures whose SimCLR training beats their random init here: docs/results/fedssl/budget), the
+quickstart's SimCLR settings (temperature 0.2, the fedsc crop, SGD 0.1 cosine, batch 128),
+EVIDENCE_ROUNDS rounds of 1 local epoch, RAD sub-batches of 250.
 """
 from fedjax_ssl import experiment
 
@@ -21,10 +30,12 @@ from fedjax_ssl import experiment
 CLASSES_PER_CLIENT = {'cifar10': 2, 'cifar100': 20}
 PAPER_MIX = 'resnet34:3,resnet18:2'
 QUICK_MIX = 'small_cnn:3,mlp:2'
+EVIDENCE_MIX = 'small_cnn:3,lenet5:2'
+EVIDENCE_ROUNDS = 40
 
 
-def _hetero(mix, **overrides):
-  return dict({'algorithm': 'hetero_ssfl', 'ssl_method': 'byol', 'hetero_ssfl.mix': mix},
+def _hetero(mix, method='byol', **overrides):
+  return dict({'algorithm': 'hetero_ssfl', 'ssl_method': method, 'hetero_ssfl.mix': mix},
               **overrides)
 
 
@@ -44,8 +55,8 @@ def rows(mix, rad_size):
   }
 
 
-def hetero_row(mix, rad_size, mu):
-  return _hetero(mix, public_size=rad_size, **{'hetero_ssfl.mu': mu})
+def hetero_row(mix, rad_size, mu, method='byol'):
+  return _hetero(mix, method, public_size=rad_size, **{'hetero_ssfl.mu': mu})
 
 
 def paper_base(dataset='cifar10'):
@@ -98,4 +109,13 @@ def quick_base():
   c.checkpoint_every = 5
   c.hetero_ssfl.mu = 1.0
   c.hetero_ssfl.rad_batch = 250
+  return c
+
+
+def evidence_base():
+  """quick_base at the quickstart's SimCLR budget (the module docstring says why SimCLR); the
+  mix and the rows' mu come from the table (configs/hetero_ssfl/mu_sweep.py)."""
+  c = quick_base()
+  c.update(dict(train_size=20000, ssl_method='simclr', temperature=0.2, rounds=EVIDENCE_ROUNDS,
+                batch_size=128, lr=0.1, eval_every=10, checkpoint_every=10))
   return c

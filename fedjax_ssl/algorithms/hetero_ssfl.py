@@ -6,6 +6,7 @@ Round t (decisions A1-A28 in docs/notes/hetero_ssfl.md):
   prepare    round 0: the server's cache of every client's RAD representation A_j = Φ_j(X) [L, d_j]
              (online predictor output, A7) is filled from the initial models (A27); afterwards it
              holds each client's latest upload, stale for non-participants (Algorithm 1, A4).
+             Over SimCLR (no predictor; not in the paper) Φ is the projector output.
              mu_t = mu (constant) or mu * sqrt(t) with the round index t counted from 0 as
              FedHeNN's code does (`mu_schedule='sqrt'`: mu_t = 0 in the first round).
   broadcast  K̄ = Σ_j w_j A_j A_jᵀ over all clients with w_j = 1/N (A3, A5, A6), or over this
@@ -15,7 +16,7 @@ Round t (decisions A1-A28 in docs/notes/hetero_ssfl.md):
              O(L²), but every step then costs O(b_R (Σ d_j)²) for ‖K̄_R‖², so it only pays for a
              few narrow clients). Feature averaging Φ̄ = Σ w_j A_j, K̄ = Φ̄Φ̄ᵀ is the flag
              `average='features'` (v001 Eq. 2; needs one width). The RAD images go out too.
-  local      the method's own SSL loss (BYOL; SimSiam as a flag) + mu_t · d on every step, where
+  local      the method's SSL loss (BYOL; SimSiam, SimCLR as flags) + mu_t · d on every step, where
              d = 1 - CKA_c(A Aᵀ, K̄[R, R]) for A = Φ_i(X_R) on a fresh random RAD sub-batch R of
              b_R = `rad_batch` points (A8; b_R = L is FedHeNN's exact full-RAD mode), centred per
              sub-block (A1, A2; `centered=False` and `sign='similarity'`, i.e. + mu·CKA as v000
@@ -53,14 +54,18 @@ KBAR_CLIENTS = ('all', 'participants')
 BN_MODES = ('train', 'eval')
 MU_SCHEDULES = ('constant', 'sqrt')
 BROADCASTS = ('kernel', 'representations')
-METHODS = ('byol', 'simsiam')
+METHODS = ('byol', 'simsiam', 'simclr')
+# Φ per method: the online predictor output (A7); SimCLR has no predictor, so its projector output
+# (the vector its loss compares) is aligned instead.
+REPRESENTATION = {'byol': 'p', 'simsiam': 'p', 'simclr': 'z'}
 # fold_in tag of the RAD sub-batch draw inside a step key (the views never use it).
 RAD_STREAM = 0x4AD
 
 
 def rad_representations(spec: ssl_client.ClientSpec, variables, rad_x: jax.Array, *,
                         bn_mode: str) -> jax.Array:
-  """Φ(X): the online predictor output of un-augmented RAD images, in one forward pass.
+  """Φ(X): the online predictor output (SimCLR: projector output) of un-augmented RAD images, in
+  one forward pass.
 
   Args:
     variables: {'params', 'batch_stats'} of the client's online network.
@@ -75,7 +80,7 @@ def rad_representations(spec: ssl_client.ClientSpec, variables, rad_x: jax.Array
     out, _ = spec.model.apply(variables, x, train=True, mutable=['batch_stats'])
   else:
     out = spec.model.apply(variables, x, train=False)
-  return out['p']
+  return out[REPRESENTATION[spec.method]]
 
 
 def upload_representations(spec: ssl_client.ClientSpec, variables, rad_x: jax.Array, *,
@@ -122,8 +127,8 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
   """Hetero-SSFL over one cohort per architecture.
 
   Args:
-    specs: (name, ClientSpec) per cohort; method 'byol' or 'simsiam', predictor output widths
-      may differ (they must agree for average='features').
+    specs: (name, ClientSpec) per cohort; method one of METHODS (representation: REPRESENTATION),
+      representation widths may differ (they must agree for average='features').
     members: sorted global client ids of each cohort; together every client exactly once.
     rad_size: L, the public set's size (FedData.public_x has L rows).
     mu: weight of the alignment term (0 = standalone local SSL).
@@ -142,7 +147,8 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
   for name, spec in specs:
     if spec.method not in METHODS:
       raise ValueError(f'ssl_method {spec.method!r} is invalid for Hetero-SSFL (cohort {name!r}): '
-                       f'must be one of {METHODS} (the representation is the predictor output)')
+                       f'must be one of {METHODS} (the representation is the predictor output, '
+                       "SimCLR's projector output)")
   if mu < 0:
     raise ValueError(f'hetero_ssfl.mu = {mu!r} is invalid: must be >= 0')
   align = mu > 0
@@ -150,7 +156,7 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
     raise ValueError(f'hetero_ssfl.rad_batch = {rad_batch} is invalid: must divide the RAD size '
                      f'{rad_size} (0 = all of it)')
   num_clients = sum(len(m) for m in members)
-  widths = tuple(_pred_width(spec) for _, spec in specs)
+  widths = tuple(_rep_width(spec) for _, spec in specs)
   if average == 'features' and len(set(widths)) > 1:
     raise ValueError(f"hetero_ssfl.average = 'features' is invalid with representation widths "
                      f'{widths}: averaging features needs one width; use \'kernels\'')
@@ -254,14 +260,14 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
       cohorts=cohorts)
 
 
-def _pred_width(spec: ssl_client.ClientSpec) -> int:
-  """Width d of the predictor output, traced abstractly (no parameters are allocated)."""
+def _rep_width(spec: ssl_client.ClientSpec) -> int:
+  """Width d of the representation Φ, traced abstractly (no parameters are allocated)."""
   x = jax.ShapeDtypeStruct((2,) + tuple(spec.input_shape), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
 
   def apply(k, v):
     variables = spec.model.init(k, v, train=False)
-    return spec.model.apply(variables, v, train=False)['p']
+    return spec.model.apply(variables, v, train=False)[REPRESENTATION[spec.method]]
   return int(jax.eval_shape(apply, key, x).shape[-1])
 
 
@@ -379,7 +385,8 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 
 registry.register('hetero_ssfl', build, defaults=config_block, validate=validate, methods=METHODS,
-                  methods_note='the aligned representation is the predictor output',
+                  methods_note=('the aligned representation is the predictor output (SimCLR: the '
+                                'projector output)'),
                   exclusive=('mix',), encoders=encoders,
                   doc='several architectures in one federation, aligned by CKA on a public set',
                   global_model=False)

@@ -22,15 +22,21 @@ RAD = 12
 MEMBERS = ((0, 2, 3), (1, 4, 5))
 
 
-def _spec(encoder):
-  model = models.SSLModel(encoder, models.MLPHead(8, 5), models.MLPHead(8, 5))
+def _spec(encoder, method='byol'):
+  predictor = None if method == 'simclr' else models.MLPHead(8, 5)
+  model = models.SSLModel(encoder, models.MLPHead(8, 5), predictor)
   tx = optim.make_optimizer('sgd', momentum=0.9, weight_decay=1e-3)
-  return ssl_client.ClientSpec(method='byol', model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
-                               input_shape=(8, 8, 1), ema_tau=0.9)
+  return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,),
+                               std=(0.3,), input_shape=(8, 8, 1), ema_tau=0.9, temperature=0.5)
 
 
-SPECS = (('cnn', _spec(models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6)))),
-         ('mlp', _spec(models.get_encoder('mlp', features=(10, 6)))))
+def _specs(method='byol'):
+  return (('cnn', _spec(models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6)),
+                        method)),
+          ('mlp', _spec(models.get_encoder('mlp', features=(10, 6)), method)))
+
+
+SPECS = _specs()
 
 VARIANTS = {
     # The recommended decisions: 1 - centred CKA against Σ_j K_j / N over every client's cached
@@ -41,6 +47,8 @@ VARIANTS = {
     'literal': dict(mu=0.7, rad_batch=0, sign='similarity', centered=False, average='features',
                     kbar_clients='participants', bn_mode='eval', mu_schedule='sqrt',
                     broadcast='representations'),
+    # Over SimCLR (not in the paper): the projector output is aligned.
+    'simclr': dict(mu=0.7, rad_batch=6),
 }
 
 
@@ -52,7 +60,8 @@ def _hetero_data():
 
 @functools.lru_cache(maxsize=None)
 def _algo(variant):
-  algo = hetero_ssfl.make(SPECS, MEMBERS, rad_size=RAD, **VARIANTS[variant])
+  specs = _specs('simclr' if variant == 'simclr' else 'byol')
+  algo = hetero_ssfl.make(specs, MEMBERS, rad_size=RAD, **VARIANTS[variant])
   return algo, tuple(jax.jit(c.client.local_step) for c in algo.cohorts)
 
 
@@ -80,7 +89,8 @@ def _check(variant, strategy, rounds, m=3):
 # Two rounds, so the stale cache and the participants-only K̄ matter; each strategy once (map
 # with chunks of 2 over a cohort's 3 slots: a full chunk and a remainder).
 @pytest.mark.slow
-@pytest.mark.parametrize('variant,strategy,rounds', [('default', 'vmap', 2), ('literal', 'map', 2)])
+@pytest.mark.parametrize('variant,strategy,rounds', [('default', 'vmap', 2), ('literal', 'map', 2),
+                                                     ('simclr', 'vmap', 2)])
 def test_cohort_round_step_matches_reference_loop(variant, strategy, rounds):
   state = _check(variant, strategy, rounds)
   # The alignment term is live: the cache holds distinct, non-zero representations per client.
@@ -112,6 +122,29 @@ def test_alignment_term_reaches_the_gradient_and_mu_zero_is_plain_byol():
   plain_moved = plain['params']['encoder']['conv1']['kernel'] - client['params']['encoder']['conv1']['kernel']
   assert float(jnp.max(jnp.abs(moved - plain_moved))) > 1e-3 * float(jnp.max(jnp.abs(plain_moved)))
   assert float(outs[5.0][1]) > float(plain_loss)  # + 5 * (1 - CKA) with CKA < 1
+
+
+def test_simclr_aligns_its_projector_output():
+  """Over SimCLR Φ is the projector output z (BYOL: the predictor output p), in the cache's width
+  and in the uploads."""
+  data = _hetero_data()
+  for method, key in (('simclr', 'z'), ('byol', 'p')):
+    algo = hetero_ssfl.make(_specs(method), MEMBERS, rad_size=RAD, mu=0.5, rad_batch=6)
+    spec = _specs(method)[0][1]
+    client = jax.tree_util.tree_map(lambda a: a[0], algo.cohorts[0].client.init(
+        jax.random.PRNGKey(3), 3)[0])
+    variables = {'params': client['params'], 'batch_stats': client['batch_stats']}
+    x = (data.public_x.astype(jnp.float32) / 255.0 - 0.5) / 0.3
+    want = spec.model.apply(variables, x[:6], train=True, mutable=['batch_stats'])[0][key]
+    got = hetero_ssfl.rad_representations(spec, variables, data.public_x[:6], bn_mode='train')
+    # x / 255 differs from the uint8 table by an ulp; the forward pass keeps that at ~1e-6.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The upload passes the RAD in chunks of rad_batch = 6: its first chunk is the rows above.
+    up = algo.cohorts[0].client.upload(client, {'public_x': data.public_x}, None)
+    assert up.shape == (RAD, 5)
+    np.testing.assert_allclose(up[:6], got, rtol=1e-5, atol=1e-5)
+    assert [r.shape for r in algo.init(jax.random.PRNGKey(0), NUM_CLIENTS)[1]['reps']] == [
+        (len(m), RAD, 5) for m in MEMBERS]
 
 
 def test_standalone_mu_zero_exchanges_nothing():
@@ -163,7 +196,7 @@ def test_mix_assignment_is_recorded_and_covers_every_client():
     (dict(), dict(public_size=0), 'public_size = 0 is invalid for Hetero-SSFL'),
     (dict(rad_batch=30), {}, 'rad_batch = 30 is invalid with config.public_size = 100'),
     (dict(), dict(public_size=10_000), 'public_size = 10000 is invalid: must be <'),
-    (dict(), dict(ssl_method='simclr'), "ssl_method = 'simclr' is invalid for algorithm"),
+    (dict(), dict(ssl_method='sc'), "ssl_method = 'sc' is invalid for algorithm"),
     (dict(bn_mode='batch'), {}, "hetero_ssfl.bn_mode = 'batch' is invalid"),
     (dict(), dict(algorithm='fedavg'), "several architectures in one federation"),
 ])
