@@ -36,9 +36,9 @@ FedU2-SimCLR 84.57 ± 0.51, FedSimCLR 84.61 ± 0.18 (the claim not confirmed), L
 Orchestra 78.89 ± 4.63 / 73.62 ± 4.81; supervised FedAvg 86.64 ± 0.82 / 81.86 ± 1.56; random init
 82.48 / 76.87, raw pixels 83.85 / 80.69 (docs/notes/fedu2.md#fedu2-e5, #fedu2-e6, #fedu2-e8,
 #fedu2-e9): only the SimCLR group learns; FedDecorr-SimSiam > FedSimSiam reversed, FedEMA-BYOL >
-FedBYOL confirmed by 0.05 over the bar. FedU2-SimCLR without FUR: probe 83.73 ± 0.33, kNN 74.58 ±
-0.41, so FedU2-SimCLR > without FUR confirmed on kNN (+1.13), not on the probe (#fedu2-e12); the
-no-EUA ablation has not been run at this scale.
+FedBYOL confirmed by 0.05 over the bar. FedU2-SimCLR without FUR / without EUA: probe 83.73 ±
+0.33 / 84.62 ± 0.43, kNN 74.58 ± 0.41 / 76.82 ± 0.25, so FedU2-SimCLR > without FUR confirmed on
+kNN (+1.13) and > without EUA reversed on kNN (−1.11): EUA costs SimCLR kNN here (#fedu2-e12).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
