@@ -54,10 +54,10 @@ KBAR_CLIENTS = ('all', 'participants')
 BN_MODES = ('train', 'eval')
 MU_SCHEDULES = ('constant', 'sqrt')
 BROADCASTS = ('kernel', 'representations')
-METHODS = ('byol', 'simsiam', 'simclr')
 # Φ per method: the online predictor output (A7); SimCLR has no predictor, so its projector output
 # (the vector its loss compares) is aligned instead.
 REPRESENTATION = {'byol': 'p', 'simsiam': 'p', 'simclr': 'z'}
+METHODS = tuple(REPRESENTATION)
 # fold_in tag of the RAD sub-batch draw inside a step key (the views never use it).
 RAD_STREAM = 0x4AD
 
