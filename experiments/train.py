@@ -404,20 +404,21 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   return results
 
 
-def raw_pixel_reference(config, dataset, workdir: pathlib.Path, *, reuse: bool,
+def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse: bool,
                         shared_dir=None, primary: bool = True):
   """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
   (the config that wrote config.json is unchanged), else SHARED_DIR/raw_pixels-<key>.json when an
   earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
-  it is written to the workdir (a run directory stands alone) and, when computed, to shared_dir.
+  it is written to the workdir (a run directory stands alone; workdir None: no run directory) and,
+  when computed, to shared_dir.
 
   The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
   images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
   random-init encoder), and every row of a table at one seed
   reads the same pixels: experiments.reproduce shares it across a table's runs with OUT/references.
   Returns (metrics dict, a note for the log line)."""
-  raw_path = workdir / 'raw_pixels.json'
-  if reuse and raw_path.exists():
+  raw_path = workdir / 'raw_pixels.json' if workdir is not None else None
+  if reuse and raw_path is not None and raw_path.exists():
     return json.loads(raw_path.read_text()), f'(from {raw_path.name})'
   shared = (pathlib.Path(shared_dir) / f'raw_pixels-{experiment.raw_pixel_key(config, dataset)}.json'
             if shared_dir else None)
@@ -430,9 +431,37 @@ def raw_pixel_reference(config, dataset, workdir: pathlib.Path, *, reuse: bool,
     if primary and shared is not None:
       shared.parent.mkdir(parents=True, exist_ok=True)
       _write_json(shared, metrics)
-  if primary:
+  if primary and raw_path is not None:
     _write_json(raw_path, metrics)
   return metrics, took
+
+
+def reference_evaluations(config, reference_cache: str | None = None,
+                          memo: dict | None = None) -> tuple:
+  """(random_init, raw_pixels): the references a run of `config` records at round 0
+  (random_init.json and raw_pixels.json; raw_pixels None unless config.probe = 'logistic'),
+  evaluated the same way without training and without a workdir. For a table cell carried from an
+  older table.csv, which kept each seed's result but not its references
+  (`experiments.reproduce --recompute_references`).
+
+  `memo` ({`experiment.evaluation_key`: metrics}) shares one random-init evaluation between the
+  configs that evaluate equal variables on equal data; `reference_cache` is the raw-pixel cache
+  directory of `raw_pixel_reference`."""
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  init_key, _ = experiment.run_keys(config)
+  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+  memo = {} if memo is None else memo
+  key = experiment.evaluation_key(config, algo, state, dataset)
+  if key not in memo:
+    memo[key] = experiment.evaluate(config, algo, state, dataset)
+  raw_pixels = None
+  if config.probe == 'logistic':
+    raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
+                                        shared_dir=reference_cache)
+  return memo[key], raw_pixels
 
 
 def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: pathlib.Path,

@@ -35,8 +35,8 @@ from fedjax_ssl.core import rng
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
-from fedjax_ssl.eval.federated import (encoder_features, evaluate, raw_pixel_key,  # noqa: F401
-                                       raw_pixel_metrics)
+from fedjax_ssl.eval.federated import (encoder_features, evaluate, evaluation_key,  # noqa: F401
+                                       raw_pixel_key, raw_pixel_metrics)
 
 
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:

@@ -25,8 +25,8 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   FedU2-BYOL 63.37 ± 1.92 / 65.77 ± 1.17: FedU2-BYOL > FedBYOL, > FedEMA-BYOL and > without FUR
   confirmed at both (+10.4 to +13.6), all of it FUR's (EUA adds nothing; its collapse is the
   alpha = 0.1 split's); FedDecorr-BYOL collapses at 0.5 too (docs/notes/fedu2.md#fedu2-e10,
-  #fedu2-e11); supervised FedAvg 61.20 / 60.61. Not run at 0.5 / 5: FedX-BYOL, Orchestra,
-  FedDecorr-BYOL at 5.
+  #fedu2-e11); supervised FedAvg 61.20 / 60.61. FedX-BYOL and Orchestra at 0.5 / 5 and
+  FedDecorr-BYOL at 5 collapse like at 0.1, 10.00 on every seed (docs/notes/fedu2.md#fedu2-e14).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce

@@ -233,3 +233,34 @@ def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
   values = {k: config[k] for k in _RAW_PIXEL_KEYS}
   h.update(json.dumps(values, sort_keys=True, default=list).encode())
   return h.hexdigest()[:16]
+
+
+# The config values `evaluate` reads besides `_RAW_PIXEL_KEYS`: the earlier probes', fine-tuning's
+# and those that build the encoder modules applying the variables.
+_EVALUATE_KEYS = ('probe', 'probe_epochs', 'probe_batch_size', 'probe_lr', 'probe_standardize',
+                  'probe_std_epochs', 'finetune', 'finetune_epochs', 'finetune_fractions',
+                  'conv_impl', 'precision')
+
+
+def evaluation_key(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState,
+                   dataset: Dataset) -> str:
+  """A 16-hex-digit digest of every input `evaluate(config, algo, state, dataset)` reads: the data
+  and protocol values (`raw_pixel_key`), the evaluated variables (`algo.eval_variables`: tree
+  structure, dtypes, shapes and bytes), the encoders applying them and the cohorts they belong to,
+  whether the model has a classifier, and the other evaluation config values. The random-init
+  encoders of two rows of a table at one seed are often the same arrays (FedBYOL and FedU start
+  from one initialisation): their keys are equal and one evaluation serves both."""
+  variables, per_client = algo.eval_variables(state)
+  h = hashlib.sha256(raw_pixel_key(config, dataset).encode())
+  leaves, treedef = jax.tree_util.tree_flatten(variables)
+  described = {'treedef': str(treedef), 'per_client': per_client,
+               'encoders': [name for _, name in algorithms.registry.encoders(config)],
+               'cohorts': [[c.name, list(c.members)] for c in algo.cohorts or ()],
+               'classifier': algo.classifier_apply is not None,
+               **{k: config[k] for k in _EVALUATE_KEYS}}
+  h.update(json.dumps(described, sort_keys=True, default=list).encode())
+  for leaf in leaves:
+    a = np.asarray(jax.device_get(leaf))
+    h.update(f'{a.dtype.name}{a.shape}'.encode())
+    h.update(a.tobytes())  # not a memoryview: bfloat16 arrays have no buffer format
+  return h.hexdigest()[:16]

@@ -354,3 +354,42 @@ def test_curves_average_each_round_over_the_seeds_that_logged_it(tmp_path):
   one_round = {('A', 'IID'): {'rounds': {0: [50.0]}, 'raw_pixels': []}}
   assert not reproduce.plot_curves(table, one_round, tmp_path / 'none.png')
   assert not (tmp_path / 'none.png').exists()
+
+
+def test_fill_references_pairs_carried_seeds_only_where_they_reproduce_the_stored_means():
+  table = _table(rows={'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')},
+                 columns={'IID': dict(partition='iid')},
+                 claims=(reproduce.Claim('A learns', 'A', reproduce.RANDOM_INIT, 'probe_acc'),
+                         reproduce.Claim('B learns', 'B', reproduce.RANDOM_INIT, 'probe_acc')))
+
+  def entry(row, values, random_init_mean):  # as read_csv gives a csv without per-seed references
+    return {'row': row, 'column': 'IID', 'cell': reproduce.cell_id(row, 'IID'),
+            'metric': 'probe_acc', 'n': 3, 'mean': float(np.mean(values)),
+            'std': float(np.std(values, ddof=1)), 'paper': None, 'diff': None,
+            'random_init_mean': random_init_mean, 'raw_pixels_mean': 90.0, 'seeds': [0, 1, 2],
+            'values': values, 'random_init_values': [], 'raw_pixels_values': [], 'pending': 0,
+            'errors': [], 'diverged': [], 'carried': True}
+  summary = [entry('A', [80.0, 81.0, 82.0], 70.01), entry('B', [70.0, 71.0, 72.0], 65.0)]
+  assert reproduce.without_references(summary) == {'a.iid': [0, 1, 2], 'b.iid': [0, 1, 2]}
+  # Each seed's round-0 evaluations, as fractions; A's reproduce its stored means (70.01 vs 70.00,
+  # 90 vs 90), B's random init is 5 points off the 65.0 its csv stored.
+  references = {(cell, s): ({'probe_acc': 0.69 + 0.01 * s}, {'probe_acc': 0.9})
+                for cell in ('a.iid', 'b.iid') for s in range(3)}
+  problems = reproduce.fill_references(summary, references)
+  a, b = summary
+  np.testing.assert_allclose(a['random_init_values'], [69.0, 70.0, 71.0], rtol=1e-12)
+  np.testing.assert_allclose(a['raw_pixels_values'], [90.0] * 3, rtol=1e-12)
+  np.testing.assert_allclose(a['random_init_mean'], 70.0, rtol=1e-12)
+  assert b['random_init_values'] == [] and b['random_init_mean'] == 65.0
+  assert problems == ['b.iid probe_acc: random_init 70.0000 recomputed, 65.0000 stored '
+                      '(tolerance 0.05 points): left unpaired']
+  assert reproduce.without_references(summary) == {'b.iid': [0, 1, 2]}
+  found = {v['better']: v for v in reproduce.verdicts(table, summary)}
+  np.testing.assert_allclose([found['A']['effect'], found['A']['spread']], [11.0, 1.0],
+                             rtol=1e-9)
+  assert found['A']['verdict'] == 'confirmed'
+  assert found['B']['verdict'].startswith('no per-seed reference values')
+  # A seed with no references at all is reported, not guessed.
+  missing = [entry('A', [80.0, 81.0, 82.0], 70.0)]
+  assert reproduce.fill_references(missing, {}) == [
+      'a.iid probe_acc: no references for seeds [0, 1, 2]']

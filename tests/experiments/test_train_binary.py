@@ -340,3 +340,37 @@ def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp
   # The run's own file wins while its config is unchanged (a resume).
   (tmp_path / 'a' / 'raw_pixels.json').write_text(json.dumps({'probe_acc': 0.9}))
   assert reference(config, 'a')[0] == {'probe_acc': 0.9}
+  # No run directory (`reference_evaluations`): the shared file, nothing written besides it.
+  got, took = train.raw_pixel_reference(config, dataset, None, reuse=True, shared_dir=shared)
+  assert got == first and 'references' in took and calls == [0, 1, 0, 0]
+  assert len(list(shared.iterdir())) == 4
+
+
+def test_reference_evaluations_are_what_a_run_records_at_round_0(tmp_path):
+  from experiments import train
+  config = experiment.default_config()
+  config.update(dict(dataset='fashion_mnist_subset', train_size=300, num_clients=3,
+                     clients_per_round=3, partition='iid', batch_size=25, local_epochs=1,
+                     rounds=1, encoder='mlp', augmentation='flip', heads='custom',
+                     proj_hidden=16, proj_out=8, pred_hidden=16, pred_out=8, probe='adam',
+                     probe_epochs=2, probe_std_epochs=0, knn_k=20, eval_every=0,
+                     checkpoint_every=1))
+  train.train_and_evaluate(config, str(tmp_path / 'run'), verbose=False)
+  memo = {}
+  random_init, raw_pixels = train.reference_evaluations(config, None, memo)
+  # The same config, seed and code: the run's round-0 file, to the last bit. (No raw-pixel row:
+  # that is the logistic protocol's, `raw_pixel_reference`, tested above with workdir None too.)
+  assert random_init == json.loads((tmp_path / 'run' / 'random_init.json').read_text())
+  assert raw_pixels is None and len(memo) == 1
+  # BYOL's, and FedU's, encoder starts from SimCLR's initialisation at one seed (the heads, not
+  # evaluated, differ): the same evaluated variables, one evaluation for the three.
+  for change in (dict(ssl_method='byol'), dict(algorithm='fedu', ssl_method='byol')):
+    other = experiment.default_config()
+    other.update(config.to_dict())
+    other.update(change)
+    assert train.reference_evaluations(other, None, memo)[0] == random_init
+  assert len(memo) == 1
+  # Another seed initialises other weights: its own evaluation.
+  config.seed = 1
+  assert train.reference_evaluations(config, None, memo)[0] != random_init
+  assert len(memo) == 2
