@@ -385,6 +385,19 @@ def run_status(run: RunSpec, out: pathlib.Path) -> Tuple[str, Any]:
   return 'missing', None
 
 
+def run_metric(metric: str, payload: Dict[str, Any],
+               config: Optional[ml_collections.ConfigDict]) -> str:
+  """The key of `payload['final']` that holds table metric `metric` for one run: the metric itself,
+  except that a per-architecture metric ('probe_acc_lenet5') of a run without cohorts whose every
+  client is that architecture (`config.encoder == 'lenet5'`) is the run's own 'probe_acc', so a
+  homogeneous reference row (supervised FedAvg on LeNet-5) fills the cohort's column."""
+  split = cohort_metric(metric)
+  if (metric in payload['final'] or split is None or 'cohorts' in payload or config is None
+      or config.get('encoder') != split[1]):
+    return metric
+  return split[0]
+
+
 def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[Dict[str, Any]]:
   """One row per (cell, metric): seed values, mean and sample std (ddof=1) in percent, the paper's
   number and the difference, the random-init encoder's mean, and the errors of failed seeds."""
@@ -405,15 +418,16 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           diverged.append(f'seed {run.seed}: diverged at round {payload["diverged"]["round"]} '
                           f'({payload["diverged"]["quantity"]})')
         elif status == 'done':
-          if metric not in payload['final']:
-            # A per-architecture metric exists only for runs with cohorts (not for baselines); a
-            # run with cohorts but without this one has a misspelled cohort name.
+          key = run_metric(metric, payload, run.config)
+          if key not in payload['final']:
+            # A per-architecture metric exists only for runs with cohorts and for runs of that one
+            # architecture; a run with cohorts but without it has a misspelled cohort name.
             if cohort_metric(metric) is None or 'cohorts' in payload:
               errors.append(f'seed {run.seed}: results have no {metric!r}')
             continue
-          values.append(100.0 * payload['final'][metric])
-          inits.append(100.0 * payload['random_init'].get(metric, float('nan')))
-          pixels.append(100.0 * payload.get('raw_pixels', {}).get(metric, float('nan')))
+          values.append(100.0 * payload['final'][key])
+          inits.append(100.0 * payload['random_init'].get(key, float('nan')))
+          pixels.append(100.0 * payload.get('raw_pixels', {}).get(key, float('nan')))
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')

@@ -60,6 +60,12 @@ def get_table(scale: str) -> reproduce.Table:
     column = 'FMNIST 5 x 2 classes'
     encoders = ('small_cnn', 'mlp')
   rows = {_label(mu): hetero_common.hetero_row(mix, rad, mu, method) for mu in mus}
+  if scale != 'paper':
+    # The trained references of each architecture: supervised FedAvg and centralized SSL with every
+    # client on that encoder, on the clients' data (the same RAD carved out first); a run of one
+    # encoder fills that cohort's per-architecture metrics (reproduce.run_metric).
+    rows.update({f'{label}, {encoder}': row for encoder in encoders for label, row in
+                 reproduce.reference_rows(method, encoder=encoder, public_size=rad).items()})
   probes = ('probe_acc',) + tuple(f'probe_acc_{e}' for e in encoders)
   # Per-architecture kNN at the evidence scale: there the two architectures move apart.
   knns = ('knn_acc',) + (tuple(f'knn_acc_{e}' for e in encoders) if scale == 'evidence' else ())

@@ -192,6 +192,33 @@ def test_summary_mean_std_and_markdown(tmp_path):
   assert f'| A | {ref.mean():.2f} ± {ref.std(ddof=1):.2f} (paper 70.00, {ref.mean() - 70:+.2f}) |' in md
 
 
+def test_a_run_of_one_architecture_fills_that_cohorts_metrics_and_no_other(tmp_path):
+  """A homogeneous reference row (supervised FedAvg on LeNet-5) is read as the LeNet-5 cohort: its
+  'probe_acc' is the table's 'probe_acc_lenet5'; it has no entry for another cohort, and a run with
+  cohorts still reads its own per-cohort values."""
+  table = _table(rows={'mix': dict(ssl_method='simclr'),
+                       'sup, lenet5': dict(ssl_method='supervised', encoder='lenet5')},
+                 columns={'IID': dict(partition='iid')},
+                 metrics=('probe_acc', 'probe_acc_lenet5', 'probe_acc_small_cnn'))
+  runs = reproduce.plan_runs(table, seeds=[0])
+  payloads = {
+      'mix': {'final': {'probe_acc': 0.80, 'probe_acc_lenet5': 0.78, 'probe_acc_small_cnn': 0.81},
+              'random_init': {'probe_acc': 0.70, 'probe_acc_lenet5': 0.68,
+                              'probe_acc_small_cnn': 0.71},
+              'cohorts': {'lenet5': [1], 'small_cnn': [0]}},
+      'sup, lenet5': {'final': {'probe_acc': 0.85}, 'random_init': {'probe_acc': 0.66}}}
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps(payloads[run.cells[0][0]]))
+  got = {(e['row'], e['metric']): (e['mean'], e['random_init_mean'])
+         for e in reproduce.summarize(table, runs, tmp_path)}
+  assert got == {('mix', 'probe_acc'): (80.0, 70.0), ('mix', 'probe_acc_lenet5'): (78.0, 68.0),
+                 ('mix', 'probe_acc_small_cnn'): (81.0, 71.0),
+                 ('sup, lenet5', 'probe_acc'): (85.0, 66.0),
+                 ('sup, lenet5', 'probe_acc_lenet5'): (85.0, 66.0)}
+
+
 def test_command_line_overrides_apply_to_every_cell_and_are_recorded(tmp_path):
   from experiments import reproduce as binary  # pylint: disable=g-import-not-at-top
   argv, overrides = binary.split_overrides(
