@@ -654,6 +654,37 @@ def fill_references(summary: Sequence[Dict[str, Any]],
   return problems
 
 
+def _reference_groups(rows: Sequence[str], columns: Sequence[str], metric: str,
+                      by_key: Dict[Tuple[str, str, str], Dict[str, Any]]) -> List[List[str]]:
+  """`rows` grouped by their random-init encoder, in first-row order: two rows share a group when
+  their random-init scores on `metric` agree (to 0.01 points) at every (column, seed) both have.
+  Rows of one encoder share one random-init row in table.md; a table whose rows start from
+  different encoders (a mix and its single-architecture references) gets one per encoder rather
+  than an average of unlike models. A row with no per-seed value joins the first group."""
+  groups: List[Tuple[Dict[Tuple[str, int], float], List[str]]] = []
+  unscored = []
+  for r in rows:
+    scores = {}
+    for c in columns:
+      e = by_key.get((r, c, metric))
+      if e is not None:
+        scores.update({(c, s): v for s, v in zip(e['seeds'], e.get('random_init_values') or ())
+                       if math.isfinite(v)})
+    if not scores:
+      unscored.append(r)
+      continue
+    for seen, members in groups:
+      if all(abs(seen[k] - v) < 0.01 for k, v in scores.items() if k in seen):
+        seen.update(scores)
+        members.append(r)
+        break
+    else:
+      groups.append((scores, [r]))
+  found = [members for _, members in groups] or [[]]
+  found[0] += unscored
+  return found
+
+
 def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[int],
              command: str = '') -> str:
   """table.md: one rows x columns grid per metric, 'mean ± std (paper P, diff)'."""
@@ -677,16 +708,22 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       cells = [_md_cell(by_key[(r, c, metric)]) if (r, c, metric) in by_key else '–'
                for c in table.columns]
       lines.append(f'| {r} | ' + ' | '.join(cells) + ' |')
+    groups = _reference_groups(rows, table.columns, metric, by_key)
     for label, key in (('*random-init encoder*', 'random_init_mean'),
                        ('*raw pixels*', 'raw_pixels_mean')):
-      refs = []
-      for c in table.columns:
-        done = [by_key[(r, c, metric)][key] for r in rows
-                if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']
-                and math.isfinite(by_key[(r, c, metric)][key])]
-        refs.append(float(np.mean(done)) if done else float('nan'))
-      if key == 'random_init_mean' or any(math.isfinite(v) for v in refs):
-        lines.append(f'| {label} | ' + ' | '.join(_fmt(v) for v in refs) + ' |')
+      for group in (groups if key == 'random_init_mean' else [rows]):
+        refs = []
+        for c in table.columns:
+          done = [by_key[(r, c, metric)][key] for r in group
+                  if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']
+                  and math.isfinite(by_key[(r, c, metric)][key])]
+          refs.append(float(np.mean(done)) if done else float('nan'))
+        named = [r for r in group if any(by_key.get((r, c, metric), {}).get('n')
+                                         for c in table.columns)]
+        shown = label if len(groups) == 1 or key != 'random_init_mean' else (
+            f'{label[:-1]}, of {"; ".join(named)}*')
+        if key == 'random_init_mean' or any(math.isfinite(v) for v in refs):
+          lines.append(f'| {shown} | ' + ' | '.join(_fmt(v) for v in refs) + ' |')
   failures = [(e['cell'], err) for e in summary for err in e['errors']]
   if failures:
     lines += ['', '## Failed runs', '']

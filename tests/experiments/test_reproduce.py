@@ -219,6 +219,28 @@ def test_a_run_of_one_architecture_fills_that_cohorts_metrics_and_no_other(tmp_p
                  ('sup, lenet5', 'probe_acc_lenet5'): (85.0, 66.0)}
 
 
+def test_rows_of_different_random_init_encoders_get_one_reference_row_each(tmp_path):
+  """table.md averages the random-init score over the rows that start from the same encoder (equal
+  per-seed values), never over unlike encoders; one encoder keeps the single unlabelled row."""
+  rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol'),
+          'C': dict(ssl_method='simclr', encoder='lenet5')}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')})
+  runs = reproduce.plan_runs(table, seeds=[0, 1])
+  init = {'A': (0.70, 0.72), 'B': (0.70, 0.72), 'C': (0.60, 0.64)}
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    row = run.cells[0][0]
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': 0.8}, 'random_init': {'probe_acc': init[row][run.seed]}}))
+  summary = reproduce.summarize(table, runs, tmp_path)
+  md = reproduce.markdown(table, summary, [0, 1])
+  assert '| *random-init encoder, of A; B* | 71.00 |' in md
+  assert '| *random-init encoder, of C* | 62.00 |' in md
+  same = [e for e in summary if e['row'] != 'C']
+  assert '| *random-init encoder* | 71.00 |' in reproduce.markdown(table, same, [0, 1])
+
+
 def test_command_line_overrides_apply_to_every_cell_and_are_recorded(tmp_path):
   from experiments import reproduce as binary  # pylint: disable=g-import-not-at-top
   argv, overrides = binary.split_overrides(
