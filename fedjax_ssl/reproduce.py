@@ -708,22 +708,20 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       cells = [_md_cell(by_key[(r, c, metric)]) if (r, c, metric) in by_key else '–'
                for c in table.columns]
       lines.append(f'| {r} | ' + ' | '.join(cells) + ' |')
+    def reference(key, group):  # per column: the mean of `key` over the group's finished cells
+      done = [[by_key[(r, c, metric)][key] for r in group if by_key.get((r, c, metric), {}).get('n')
+               and math.isfinite(by_key[(r, c, metric)][key])] for c in table.columns]
+      return [float(np.mean(d)) if d else float('nan') for d in done]
     groups = _reference_groups(rows, table.columns, metric, by_key)
-    for label, key in (('*random-init encoder*', 'random_init_mean'),
-                       ('*raw pixels*', 'raw_pixels_mean')):
-      for group in (groups if key == 'random_init_mean' else [rows]):
-        refs = []
-        for c in table.columns:
-          done = [by_key[(r, c, metric)][key] for r in group
-                  if (r, c, metric) in by_key and by_key[(r, c, metric)]['n']
-                  and math.isfinite(by_key[(r, c, metric)][key])]
-          refs.append(float(np.mean(done)) if done else float('nan'))
-        named = [r for r in group if any(by_key.get((r, c, metric), {}).get('n')
-                                         for c in table.columns)]
-        shown = label if len(groups) == 1 or key != 'random_init_mean' else (
-            f'{label[:-1]}, of {"; ".join(named)}*')
-        if key == 'random_init_mean' or any(math.isfinite(v) for v in refs):
-          lines.append(f'| {shown} | ' + ' | '.join(_fmt(v) for v in refs) + ' |')
+    for group in groups:
+      named = [r for r in group if any(by_key.get((r, c, metric), {}).get('n')
+                                       for c in table.columns)]
+      label = '' if len(groups) == 1 else f', of {"; ".join(named)}'
+      refs = reference('random_init_mean', group)
+      lines.append(f'| *random-init encoder{label}* | ' + ' | '.join(map(_fmt, refs)) + ' |')
+    pixels = reference('raw_pixels_mean', rows)
+    if any(math.isfinite(v) for v in pixels):
+      lines.append('| *raw pixels* | ' + ' | '.join(map(_fmt, pixels)) + ' |')
   failures = [(e['cell'], err) for e in summary for err in e['errors']]
   if failures:
     lines += ['', '## Failed runs', '']

@@ -70,5 +70,5 @@ def get_table(scale: str) -> reproduce.Table:
       paper=paper, scale=scale, claims=claims,
       notes=('Fine-tuned: encoder + linear head, SGD Nesterov 0.9, lr 0.05, batch 256 (1%) / 512 '
              '(10%), 100 epochs, no augmentation, on a class-stratified subset of the training '
-             'split; personal models: the client mean. The paper\'s labelled subset is unstated (ours: stratified, '
-             'one draw per seed).'))
+             'split; personal models: the client mean. The paper\'s labelled subset is unstated '
+             '(ours: stratified, one draw per seed).'))
