@@ -254,7 +254,8 @@ def main(argv):
       print(f'{run.name:40s} cells: {cells}' + (f'  INVALID: {run.config_error}'
                                                 if run.config_error else ''))
     return
-  command = 'python -m experiments.reproduce ' + ' '.join(shlex.quote(a) for a in sys.argv[1:])
+  # The command as typed, overrides included: the table's record of how to reproduce it.
+  command = 'python -m experiments.reproduce ' + ' '.join(shlex.quote(a) for a in _TYPED_ARGS)
   if _RECOMPUTE_REFERENCES.value:
     recompute_references(_TABLE.value, _OUT.value, _SCALE.value, command, overrides)
     return
@@ -268,8 +269,10 @@ def main(argv):
 # `--config.KEY=VALUE` flags are taken out before absl parses the rest: the training binary, imported
 # by run_table, defines its own --config flag.
 _OVERRIDES: dict = {}
+_TYPED_ARGS: list = []
 
 if __name__ == '__main__':
+  _TYPED_ARGS = sys.argv[1:]
   try:
     sys.argv, _OVERRIDES = split_overrides(sys.argv)
   except cv.ConfigError as e:

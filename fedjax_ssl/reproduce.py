@@ -654,27 +654,31 @@ def fill_references(summary: Sequence[Dict[str, Any]],
   return problems
 
 
-def _reference_groups(rows: Sequence[str], columns: Sequence[str], metric: str,
+def _reference_groups(rows: Sequence[str], columns: Sequence[str], metrics: Sequence[str],
                       by_key: Dict[Tuple[str, str, str], Dict[str, Any]]) -> List[List[str]]:
   """`rows` grouped by their random-init encoder, in first-row order: two rows share a group when
-  their random-init scores on `metric` agree (to 0.01 points) at every (column, seed) both have.
+  their random-init scores agree to REFERENCE_TOLERANCE at every (metric, column, seed) both have.
   Rows of one encoder share one random-init row in table.md; a table whose rows start from
   different encoders (a mix and its single-architecture references) gets one per encoder rather
-  than an average of unlike models. A row with no per-seed value joins the first group."""
-  groups: List[Tuple[Dict[Tuple[str, int], float], List[str]]] = []
+  than an average of unlike models. The tolerance, not equality: one encoder scored in two
+  processes drifts in the last digits (0.012 points between a fresh run and the carried cells of
+  the quick Hetero-SSFL table). Every metric at once, so that unlike encoders level on one metric
+  still split. A row with no per-seed value joins the first group."""
+  groups: List[Tuple[Dict[Tuple[str, str, int], float], List[str]]] = []
   unscored = []
   for r in rows:
     scores = {}
-    for c in columns:
-      e = by_key.get((r, c, metric))
-      if e is not None:
-        scores.update({(c, s): v for s, v in zip(e['seeds'], e.get('random_init_values') or ())
-                       if math.isfinite(v)})
+    for m in metrics:
+      for c in columns:
+        e = by_key.get((r, c, m))
+        if e is not None:
+          scores.update({(m, c, s): v for s, v in zip(e['seeds'], e.get('random_init_values') or ())
+                         if math.isfinite(v)})
     if not scores:
       unscored.append(r)
       continue
     for seen, members in groups:
-      if all(abs(seen[k] - v) < 0.01 for k, v in scores.items() if k in seen):
+      if all(abs(seen[k] - v) < REFERENCE_TOLERANCE for k, v in scores.items() if k in seen):
         seen.update(scores)
         members.append(r)
         break
@@ -700,6 +704,7 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
     lines += ['', f'Overrides applied to every cell: {shown}.']
   rows = [r for r in table.rows if any((r, c, m) in by_key for c in table.columns
                                        for m in table.metrics)]
+  groups = _reference_groups(rows, table.columns, table.metrics, by_key)
   for metric in table.metrics:
     lines += ['', f'## {metric_name(metric)}', '',
               '| | ' + ' | '.join(table.columns) + ' |',
@@ -712,11 +717,14 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       done = [[by_key[(r, c, metric)][key] for r in group if by_key.get((r, c, metric), {}).get('n')
                and math.isfinite(by_key[(r, c, metric)][key])] for c in table.columns]
       return [float(np.mean(d)) if d else float('nan') for d in done]
-    groups = _reference_groups(rows, table.columns, metric, by_key)
-    for group in groups:
-      named = [r for r in group if any(by_key.get((r, c, metric), {}).get('n')
-                                       for c in table.columns)]
-      label = '' if len(groups) == 1 else f', of {"; ".join(named)}'
+    # The groups with a scored reference in this metric's grid (a per-architecture grid has none
+    # of the other architecture's; fine-tuning metrics have none).
+    present = [g for g in ([r for r in group if any(
+        by_key.get((r, c, metric), {}).get('n')
+        and math.isfinite(by_key[(r, c, metric)]['random_init_mean']) for c in table.columns)]
+                           for group in groups) if g]
+    for group in present or [[]]:
+      label = '' if len(present) <= 1 else f', of {"; ".join(group)}'
       refs = reference('random_init_mean', group)
       lines.append(f'| *random-init encoder{label}* | ' + ' | '.join(map(_fmt, refs)) + ' |')
     pixels = reference('raw_pixels_mean', rows)

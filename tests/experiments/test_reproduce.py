@@ -221,23 +221,34 @@ def test_a_run_of_one_architecture_fills_that_cohorts_metrics_and_no_other(tmp_p
 
 def test_rows_of_different_random_init_encoders_get_one_reference_row_each(tmp_path):
   """table.md averages the random-init score over the rows that start from the same encoder (equal
-  per-seed values), never over unlike encoders; one encoder keeps the single unlabelled row."""
+  per-seed values up to the evaluator's drift between processes), never over unlike encoders, and
+  tells encoders apart on every metric at once; one encoder keeps the single unlabelled row."""
   rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol'),
-          'C': dict(ssl_method='simclr', encoder='lenet5')}
-  table = _table(rows=rows, columns={'IID': dict(partition='iid')})
+          'C': dict(ssl_method='simclr', encoder='lenet5'), 'D': dict(ssl_method='simsiam'),
+          'E': dict(ssl_method='simclr', lr=0.5)}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')},
+                 metrics=('probe_acc', 'knn_acc'))
   runs = reproduce.plan_runs(table, seeds=[0, 1])
-  init = {'A': (0.70, 0.72), 'B': (0.70, 0.72), 'C': (0.60, 0.64)}
+  # (probe, kNN) of each row's random-init encoder per seed. B: A's encoder scored in another
+  # process, 0.012 points off (as measured between a fresh run and carried cells); E: another
+  # encoder level with A on the probe but not on kNN.
+  init = {'A': ((0.70, 0.60), (0.72, 0.62)), 'B': ((0.70012, 0.59988), (0.72, 0.62)),
+          'C': ((0.60, 0.50), (0.64, 0.54)), 'D': ((0.70, 0.60), (0.72, 0.62)),
+          'E': ((0.70, 0.55), (0.72, 0.57))}
   for run in runs:
     wd = run.workdir(tmp_path)
     wd.mkdir(parents=True)
-    row = run.cells[0][0]
+    probe, knn = init[run.cells[0][0]][run.seed]
     (wd / 'results.json').write_text(json.dumps(
-        {'final': {'probe_acc': 0.8}, 'random_init': {'probe_acc': init[row][run.seed]}}))
+        {'final': {'probe_acc': 0.8, 'knn_acc': 0.7},
+         'random_init': {'probe_acc': probe, 'knn_acc': knn}}))
   summary = reproduce.summarize(table, runs, tmp_path)
   md = reproduce.markdown(table, summary, [0, 1])
-  assert '| *random-init encoder, of A; B* | 71.00 |' in md
+  assert '| *random-init encoder, of A; B; D* | 71.00 |' in md
   assert '| *random-init encoder, of C* | 62.00 |' in md
-  same = [e for e in summary if e['row'] != 'C']
+  assert '| *random-init encoder, of E* | 71.00 |' in md     # the probe grid, level with A
+  assert '| *random-init encoder, of E* | 56.00 |' in md     # the kNN grid
+  same = [e for e in summary if e['row'] in ('A', 'B')]
   assert '| *random-init encoder* | 71.00 |' in reproduce.markdown(table, same, [0, 1])
 
 
@@ -264,6 +275,29 @@ def test_command_line_overrides_apply_to_every_cell_and_are_recorded(tmp_path):
       reproduce.markdown(table, [], [0]))
   with pytest.raises(cv.ConfigError, match=r"override \(every cell\): config key 'nope' does not"):
     reproduce.cell_config(reproduce.with_overrides(table, {'nope': 1}), 'FedSimCLR', 'IID', 0)
+
+
+def test_table_md_records_the_command_as_typed_with_its_overrides(tmp_path):
+  """The binary strips `--config.KEY=VALUE` before absl parses its flags; the command table.md
+  records keeps them, so that copying it reproduces the table (a rewrite that trains nothing:
+  --recompute_references over an empty table.csv)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from tests import subprocess_env  # pylint: disable=g-import-not-at-top
+  path = tmp_path / 'tiny.py'
+  path.write_text(TABLE)
+  out = tmp_path / 'out'
+  out.mkdir()
+  (out / 'table.csv').write_text(','.join(reproduce.CSV_FIELDS) + '\n')
+  args = ['--table', str(path), '--out', str(out), '--config.grad_clip_norm=1.0',
+          '--recompute_references']
+  proc = subprocess.run([sys.executable, '-m', 'experiments.reproduce', *args],
+                        env=subprocess_env.binary_env(), capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  md = (out / 'table.md').read_text()
+  assert ('Command: `python -m experiments.reproduce ' + ' '.join(args) + '`') in md
+  assert 'Overrides applied to every cell: `grad_clip_norm=1.0`.' in md
 
 
 def test_verdict_needs_an_effect_above_twice_the_seed_std():
