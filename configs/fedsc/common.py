@@ -123,3 +123,5 @@ BASELINES = {
 FEDSC = {'algorithm': 'fedsc'}
 CENTRALIZED = {'algorithm': 'centralized', 'num_clients': 1, 'clients_per_round': 1,
                'partition': 'iid'}
+# Supervised FedAvg with the FedSC encoder and budget: the reference ceiling of the FedSC tables.
+SUPERVISED = {'algorithm': 'fedavg', 'ssl_method': 'supervised', 'drop_last': True}
