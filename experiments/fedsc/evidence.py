@@ -46,7 +46,8 @@ def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
     for row, _ in run.cells:
       rows.setdefault(row, []).append({
           'seed': run.seed, 'final': results['final'], 'algorithm': results['algorithm'],
-          'privacy': results.get('privacy', {}), 'knn_curve': curve,
+          # Rows without the mechanism (the reference rows) record privacy as null.
+          'privacy': results.get('privacy') or {}, 'knn_curve': curve,
           **{key: results.get(key, {}) for key, _ in REFERENCES}})
   return rows
 
@@ -70,8 +71,9 @@ def summarize(rows: dict) -> list:
   """One dict per row: epsilon (max over seeds), sigma, accuracies mean +- std in percent."""
   out = []
   for row, runs in rows.items():
-    # FedAvg + SC shares no matrix: the mechanism never runs (epsilon None, shown as '–').
-    shares_nothing = runs[0]['algorithm'] == 'fedavg_sc'
+    # Only FedSC shares matrices; FedAvg + SC and the reference rows (centralized SC, supervised
+    # FedAvg) never run the mechanism (epsilon None, shown as '–').
+    shares_nothing = runs[0]['algorithm'] != 'fedsc'
     eps = [r['privacy'].get('epsilon', math.inf) for r in runs]
     entry = {'row': row, 'n': len(runs), 'epsilon': None if shares_nothing else max(eps),
              'sigma': runs[0]['privacy'].get('sigma', 0.0),

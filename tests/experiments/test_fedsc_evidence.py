@@ -23,11 +23,14 @@ def test_privacy_table_from_finished_runs(tmp_path):
     workdir.mkdir(parents=True)
     row = run.cells[0][0]
     dp = 'eps=' in row and 'inf' not in row
+    algorithm = {'FedAvg + SC': 'fedavg_sc', 'Centralized SC': 'centralized',
+                 'FedAvg (supervised)': 'fedavg'}.get(row, 'fedsc')
     results = {
-        'algorithm': 'fedavg_sc' if row == 'FedAvg + SC' else 'fedsc',
+        'algorithm': algorithm,
         'final': dict(_final(0.70 + 0.01 * i), shares_max=10),
-        'privacy': {'epsilon': float(row.split('eps=')[1][0]) - 1e-7 * run.seed,
-                    'sigma': 0.01} if dp else {},
+        # The training binary writes null where the algorithm has no mechanism.
+        'privacy': ({'epsilon': float(row.split('eps=')[1][0]) - 1e-7 * run.seed, 'sigma': 0.01}
+                    if dp else {} if algorithm == 'fedsc' else None),
         # The same reference in every run of a seed, as when they read the same images.
         'random_init': _final(0.60 + 0.02 * run.seed), 'raw_pixels': _final(0.80)}
     (workdir / 'results.json').write_text(json.dumps(results))
@@ -40,13 +43,14 @@ def test_privacy_table_from_finished_runs(tmp_path):
   saved = json.loads((tmp_path / 'privacy.json').read_text())
   rows = {e['row']: e for e in saved['rows']}
   assert list(rows) == list(table.rows)
-  assert rows['FedAvg + SC']['epsilon'] is None          # shares nothing: no mechanism
+  for name in ('FedAvg + SC', 'Centralized SC', 'FedAvg (supervised)'):
+    assert rows[name]['epsilon'] is None                 # shares nothing: no mechanism
   assert rows['FedSC eps=inf (every round)']['epsilon'] == 'inf'
   assert rows['FedSC eps=6 (t>10)']['epsilon'] == 6.0    # the larger of the seeds' ledgers
   assert rows['FedSC eps=3 (t>10)']['sigma'] == 0.01
-  # Runs are planned seed by seed, 5 rows each: row r's runs are i = r and r + 5.
+  # Runs are planned seed by seed, one per row: row r's runs are i = r and r + len(table.rows).
   for r, name in enumerate(table.rows):
-    values = 100 * np.array([0.70 + 0.01 * r, 0.70 + 0.01 * (r + 5)])
+    values = 100 * np.array([0.70 + 0.01 * r, 0.70 + 0.01 * (r + len(table.rows))])
     np.testing.assert_allclose(rows[name]['probe_acc'], [values.mean(), values.std(ddof=1)])
     np.testing.assert_allclose(rows[name]['knn_acc_1pct'][0], values.mean() - 30)
   refs = {e['row']: e for e in saved['references']}
