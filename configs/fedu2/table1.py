@@ -39,10 +39,10 @@ Orchestra 78.89 ± 4.63 / 73.62 ± 4.81; supervised FedAvg 86.64 ± 0.82 / 81.86
 FedBYOL confirmed by 0.05 over the bar. FedU2-SimCLR without FUR / without EUA: probe 83.73 ±
 0.33 / 84.62 ± 0.43, kNN 74.58 ± 0.41 / 76.82 ± 0.25, so FedU2-SimCLR > without FUR confirmed on
 kNN (+1.13) and > without EUA reversed on kNN (−1.11): EUA costs SimCLR kNN here (#fedu2-e12).
-Centralized SimCLR (all 20,000 images on one client, 50 epochs) is a row of this table not yet run
-here (docs/notes/known_gaps.md#gap-17); the same computation (its config differs only in keys a
-centralized SimCLR run does not read: alpha, ema_tau, fedu2.*) is the FedSSL evidence table's
-`Centralized SimCLR (CL)`: probe 85.85 ± 0.18, kNN 80.53 ± 0.54, 1%-label kNN 73.17 ± 0.36.
+Centralized SimCLR (all 20,000 images on one client, 50 epochs; 10 min a run): probe 85.85 ±
+0.18, kNN 80.53 ± 0.54, 1%-label kNN 73.17 ± 0.36, the only SimCLR row above raw pixels there; the
+FedSSL evidence table's `Centralized SimCLR (CL)` has the same numbers to the last digit (the
+configs differ only in keys a centralized SimCLR run does not read: alpha, ema_tau, fedu2.*).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
