@@ -603,10 +603,10 @@ def carry_over(table: Table, summary: Sequence[Dict[str, Any]],
                  if e['cell'] not in have and e['cell'] in cells and e['metric'] in table.metrics]
 
 
-# How far, in points, a carried cell's recomputed reference mean may sit from the mean its
-# table.csv stored (`fill_references`). Over the committed tables the gap is at most 0.0067 (the
-# evaluator's last-digit drift since they ran); a wider one means the carried values were measured
-# by another evaluator or config, and pairing them with today's references would mix protocols.
+# How far, in points, one reference measured twice may drift: a carried cell's recomputed mean
+# against the mean its table.csv stored (`fill_references`; at most 0.0067 over the committed
+# tables) and one encoder's per-seed score in two processes (`_reference_groups`; 0.012 seen). A
+# wider gap means another evaluator, config or encoder, which must not be paired or grouped.
 REFERENCE_TOLERANCE = 0.05
 
 
