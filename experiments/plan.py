@@ -162,7 +162,8 @@ def client_sizes(config: ml_collections.ConfigDict, info: DatasetInfo) -> np.nda
 
 
 def abstract_fed_data(sizes: np.ndarray, info: DatasetInfo, public_size: int) -> FedData:
-  """`FedData` of `jax.ShapeDtypeStruct` leaves for clients of `sizes` (n_max static, as loaded)."""
+  """`FedData` of `jax.ShapeDtypeStruct` leaves for clients of `sizes` (n_max and n_min static, as
+  loaded)."""
   rows = max(int(sizes.sum()), 1)
   image = tuple(info.image_shape)
   return FedData(
@@ -170,7 +171,7 @@ def abstract_fed_data(sizes: np.ndarray, info: DatasetInfo, public_size: int) ->
       y=jax.ShapeDtypeStruct((rows,), jnp.int32),
       n=jax.ShapeDtypeStruct(sizes.shape, jnp.int32),
       offsets=jax.ShapeDtypeStruct(sizes.shape, jnp.int32),
-      n_max=max(int(sizes.max()), 1),
+      n_max=max(int(sizes.max()), 1), n_min=int(sizes.min()),
       public_x=jax.ShapeDtypeStruct((public_size,) + image, jnp.uint8) if public_size else None)
 
 

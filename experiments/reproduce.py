@@ -9,10 +9,12 @@ DIR/runs/<cell>/seed<k> (its checkpoints, metrics, plot and results.json). Rerun
 finishes only what is missing: runs with a results.json are read, not re-run; a killed run resumes
 from its last checkpoint. A failing run writes error.json (its traceback) and the grid goes on; a
 rerun tries it again. A workdir whose config.json differs from the cell's current config (the table
-file changed) is reported, never overwritten. Compiled programs are cached in DIR/jax_cache (JAX's persistent compilation
-cache), so seeds after the first skip most compilation. The raw-pixel reference row is evaluated
-once per seed and shared by the runs that read the same pixels (DIR/references, keyed by a digest of
-the data and the protocol's settings; `train.raw_pixel_reference`). After every run DIR/table.csv,
+file changed) is reported, never overwritten. Compiled programs and the strategies 'auto' measured
+are cached in the binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl;
+fedjax_ssl/core/compilation.py), so seeds after the first skip most compilation. The raw-pixel
+reference row is evaluated once per seed and shared by the runs that read the same pixels
+(DIR/references, keyed by a digest of the data and the protocol's settings;
+`train.raw_pixel_reference`). After every run DIR/table.csv,
 DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number)
 from every run of the table under DIR, whichever cells and seeds this invocation ran; cells with no
 run under DIR keep their entries of the earlier DIR/table.csv (marked as carried in table.md), so a
@@ -54,6 +56,7 @@ from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
+from fedjax_ssl.core import compilation  # noqa: E402
 
 _TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>.py).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
@@ -167,10 +170,13 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
     reproduce.write_outputs(table, summary, out, shown_seeds, command)
     return summary
-  if not jax.config.jax_compilation_cache_dir:
-    # The seeds of a cell compile the same programs: a persistent cache under OUT compiles each once.
-    jax.config.update('jax_compilation_cache_dir', str(out / 'jax_cache'))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+  # The seeds of a cell compile the same programs, and 'auto' measures each program once: the
+  # binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl; core/compilation.py).
+  try:
+    cache_dir = (compilation.enable_cache() if not jax.config.jax_compilation_cache_dir else
+                 compilation.resolve_cache_dir(None))
+  except compilation.CacheError as e:
+    raise cv.ConfigError(str(e)) from None
   todo = [r for r in runs if reproduce.run_status(r, out)[0] in ('missing', 'failed')
           and r.config is not None]
   grid = tqdm.tqdm(total=len(runs), initial=len(runs) - len(todo), desc=table.name, position=0,
@@ -181,7 +187,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     (workdir / 'error.json').unlink(missing_ok=True)
     try:
       train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
-                               reference_cache=str(out / REFERENCES))
+                               reference_cache=str(out / REFERENCES), cache_dir=cache_dir)
     except Exception as e:  # pylint: disable=broad-except
       # Recorded in the table and retried on the next invocation; the other runs go on.
       _write_error(workdir, e)

@@ -75,7 +75,7 @@ from fedjax_ssl import (checkpoint, configuration, experiment, logging_utils, pl
                         run_guard)
 from fedjax_ssl.data.info import DatasetInfo  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl.core import rng, strategies  # noqa: E402
+from fedjax_ssl.core import compilation, rng, strategies  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402
 from fedjax_ssl.data import partition  # noqa: E402
 
@@ -92,9 +92,15 @@ _RESTART = flags.DEFINE_bool(
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
     'allow_config_change', False, 'Resume even though the config differs from the workdir\'s run; '
     'the change and its round are recorded in config_changes.json and results.json.')
+_CACHE_DIR = flags.DEFINE_string(
+    'cache_dir', None, 'Folder of the cross-run caches: compiled programs (JAX\'s persistent '
+    'compilation cache, CACHE_DIR/xla) and the strategies strategy=\'auto\' measured '
+    '(CACHE_DIR/strategy.json). Default: $FEDJAX_SSL_CACHE_DIR, else '
+    '$XDG_CACHE_HOME/fedjax_ssl (~/.cache/fedjax_ssl); \'\' turns them off.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 LOG_FILE = 'train.log'
+STRATEGY_FILE = 'strategy.json'  # the strategy the run resolved (autotune.Choice), for its resumes
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
@@ -103,6 +109,23 @@ def _write_json(path: pathlib.Path, obj) -> None:
   tmp = path.with_suffix(f'{path.suffix}.{os.getpid()}.tmp')
   tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
   os.replace(tmp, path)
+
+
+def _stored_strategy(workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, chunk: int
+                     ) -> dict | None:
+  """The strategy of the run a resume continues (WORKDIR/strategy.json), None for a fresh start.
+  A workdir with checkpoints but no record ran before strategies were measured: the static default
+  of this backend, which is what 'auto' was then."""
+  if not (ckpt.all_rounds() or ckpt.moved_aside()):
+    return None
+  path = workdir / STRATEGY_FILE
+  if path.exists():
+    try:
+      return json.loads(path.read_text())
+    except ValueError as e:
+      run_guard.report(f'warning: {path} cannot be read ({e}): resuming under the static default '
+                       'strategy; the result may differ from the run\'s at float rounding')
+  return {'strategy': strategies.default_strategy(), 'map_chunk_size': chunk, 'source': 'workdir'}
 
 
 def _scalars(results: dict) -> dict:
@@ -145,7 +168,8 @@ def _data_summary(config, dataset) -> str:
 
 def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_position: int = 0,
                        restart: bool = False, allow_config_change: bool = False,
-                       reference_cache: str | None = None) -> dict:
+                       reference_cache: str | None = None,
+                       cache_dir: pathlib.Path | str | None = None) -> dict:
   """Runs (or resumes) the configured experiment; returns the results dict.
 
   verbose=False leaves out the lines meant for a person (partition table, per-evaluation metrics,
@@ -154,6 +178,8 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
   Library logs go to WORKDIR/train.log (appended on resume), whatever `verbose`. `restart` and
   `allow_config_change` are the binary's flags of those names. `reference_cache`: a directory
   where runs that read the same pixels share the raw-pixel reference (`raw_pixel_reference`).
+  `cache_dir`: the folder of `compilation.enable_cache` (the binaries' --cache_dir), where
+  `strategy='auto'` keeps its measured choices; None: 'auto' is the static per-backend default.
 
   Returns process 0's results ("status": "completed", or "diverged" when a round became non-finite:
   the run stopped there); the other processes return only the status. Raises
@@ -184,12 +210,14 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
           workdir / 'checkpoints', save_every=config.checkpoint_every) as ckpt:
         return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
                     bar_position=bar_position, primary=primary, restart=restart,
-                    allow_config_change=allow_config_change, reference_cache=reference_cache)
+                    allow_config_change=allow_config_change, reference_cache=reference_cache,
+                    cache_dir=cache_dir)
 
 
 def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
-         restart: bool, allow_config_change: bool, reference_cache: str | None) -> dict:
+         restart: bool, allow_config_change: bool, reference_cache: str | None,
+         cache_dir) -> dict:
   def say(message):  # a line for a person: train.log always, the console when verbose
     logging_utils.say(message, echo=verbose)
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
@@ -216,15 +244,6 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   if plan is not None:
     say(plan.text)
   round_cfg = experiment.round_config(config)
-  round_step = rd.make_round_step(algo, round_cfg, config.num_clients)
-  devices = jax.device_count()
-  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
-              else config.encoder)
-  say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
-      f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
-      f'device{"s" if devices > 1 else ""}), strategy '
-      f'{strategies.resolve_strategy(config.strategy)!r}')
-
   init_key, run_key = experiment.run_keys(config)
 
   def initial_state():
@@ -235,6 +254,17 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
                          clients=(state.clients if config.client_state == 'host' else
                                   strategies.replicate(state.clients)))
   fed_data = strategies.replicate(fed_data)
+  # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
+  # the one it started with, since strategies agree only to float rounding.
+  choice, round_step = experiment.choose_strategy(
+      config, algo, fed_data, initial_state, run_key, cache_dir=cache_dir,
+      stored=_stored_strategy(workdir, ckpt, config.map_chunk_size))
+  devices = jax.device_count()
+  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
+              else config.encoder)
+  say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
+      f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
+      f'device{"s" if devices > 1 else ""}), {choice.text()}')
   state = initial_state()
   per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
   say('communication per participant and round: ' + ', '.join(
@@ -288,6 +318,7 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
     _write_json(workdir / 'config.json', config.to_dict())
+    _write_json(workdir / STRATEGY_FILE, choice.to_json())
     run_guard.clear_config_changes(workdir)
   elif primary:
     writer.truncate_after(start)  # rows past the restored round are dropped before any append
@@ -308,8 +339,16 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     bar.close()
     _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', primary)
   t_start = time.time()
+  compile_times = None
   for r in range(start, config.rounds):
-    state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+    if compile_times is None:  # the process's first round: its compile, apart from everything else
+      with compilation.compile_timer() as compile_times:
+        state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+        jax.block_until_ready(state)
+      logging_utils.say(f'round {r + 1} step: {compile_times.text()} of '
+                        f'{compile_times.wall:.1f}s', echo=False)
+    else:
+      state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
     record = {k: float(v) for k, v in metrics.items()}
     diverged = watch.check(r + 1, record, params_finite(state.server))
     if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
@@ -365,6 +404,9 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
   final.update(best_over_rounds(records, 'knn_acc'))
   results['communication'] = _communication(algo, config, per_participant, records)
+  results['strategy'] = choice.to_json()
+  if compile_times is not None:
+    results['first_round'] = compile_times.to_json()
   _write_json(workdir / 'results.json', results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
@@ -546,8 +588,13 @@ def main(argv):
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=n,
                                process_id=pid)
   try:
+    cache_dir = compilation.enable_cache(_CACHE_DIR.value)
+  except compilation.CacheError as e:
+    raise cv.ConfigError(str(e)) from None
+  try:
     results = train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value,
-                                 allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+                                 allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+                                 cache_dir=cache_dir)
   finally:
     if n > 1:
       jax.distributed.shutdown()

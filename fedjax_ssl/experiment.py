@@ -31,7 +31,8 @@ from fedjax_ssl import algorithms
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.configuration import (default_config, load_run_config, round_config,  # noqa: F401
                                       validate_config)
-from fedjax_ssl.core import rng
+from fedjax_ssl.core import autotune, rng
+from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
@@ -84,3 +85,44 @@ def run_plan(config: ml_collections.ConfigDict, dataset: Dataset,
              client_sizes: np.ndarray) -> Optional[algorithms.Plan]:
   """What the configured run will spend, known before training (FedSC: its privacy budget)."""
   return algorithms.registry.plan(config, DataInfo.of(dataset, client_sizes))
+
+
+# Config keys that do not shape the compiled round (evaluation, bookkeeping, values that enter the
+# program as numbers of the same shape): left out of the strategy cache's key, so that seeds,
+# learning rates and evaluation settings of one program share a measurement. Any other key is in.
+_NOT_PROGRAM_KEYS = ('seed', 'rounds', 'lr', 'eval_every', 'checkpoint_every', 'data_dir',
+                     'strategy', 'map_chunk_size', 'knn_k', 'knn_temperature', 'knn_k_small',
+                     'label_fractions', 'label_draws')
+_NOT_PROGRAM_PREFIXES = ('probe', 'finetune')
+
+
+def strategy_program(config: ml_collections.ConfigDict, fed_data: FedData) -> dict:
+  """What identifies a run's round program for `strategy='auto'` (autotune.program_description):
+  every config key that shapes the round, the data's shapes, the backend and device."""
+  keys = {k: v for k, v in config.to_dict().items()
+          if k not in _NOT_PROGRAM_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
+  return autotune.program_description(
+      config=keys, data={'x': list(fed_data.x.shape), 'n_max': int(fed_data.n_max)})
+
+
+def choose_strategy(config: ml_collections.ConfigDict, algo: Algorithm, fed_data: FedData,
+                    fresh_state, run_key: jax.Array, *, cache_dir=None, stored=None
+                    ) -> Tuple[autotune.Choice, object]:
+  """(the resolved strategy, the run's round step) for `config.strategy` (autotune.resolve):
+  'auto' is timed once per program on this backend and kept in CACHE_DIR/strategy.json; `stored`
+  (the Choice json of the run being resumed) wins, so that a resume stays bit-exact.
+
+  fresh_state() -> a new initial FedState (the timing rounds run on their own copies; they start
+  from the keys of rounds 2**31 - 1, 2**31 - 2, ..., which no run reaches)."""
+  round_cfg = round_config(config)
+
+  def make_step(strategy, chunk):
+    return rd.make_round_step(
+        algo, dataclasses.replace(round_cfg, strategy=strategy, map_chunk_size=chunk),
+        config.num_clients)
+  keys = [rng.round_key(run_key, 2**31 - 1 - i) for i in range(1 + autotune.TIMED_ROUNDS)]
+  choice, step = autotune.resolve(
+      config.strategy, config.map_chunk_size, participants=config.clients_per_round,
+      description=strategy_program(config, fed_data), cache_dir=cache_dir, stored=stored,
+      make_step=make_step, fresh_state=fresh_state, fed_data=fed_data, keys=keys)
+  return choice, step or make_step(choice.strategy, choice.map_chunk_size)

@@ -6,8 +6,11 @@ compiled once, so compiling dominates (docs/notes/testing.md#test-14). A binary 
 the caller's own XLA_FLAGS (e.g. --xla_cpu_max_isa, so an ISA check reaches it too) without the
 virtual devices, like a user's run.
 """
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,10 +30,19 @@ def _fast_compile(flags: str) -> str:
 
 
 def set_session_flags() -> None:
-  """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once)."""
+  """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once).
+
+  Also the binaries' caches (fedjax_ssl/core/compilation.py): a folder of this process's own
+  instead of the user's ~/.cache/fedjax_ssl, and strategy='auto' at its static default without
+  timing candidates, so that a test's run compiles one round program (tests/core/test_autotune.py
+  and the binary tests that check the measurement turn it back on)."""
   caller = caller_flags()
   os.environ[_CALLER_VAR] = caller
   os.environ['XLA_FLAGS'] = f'{_fast_compile(caller)} {_DEVICES}'.strip()
+  cache = tempfile.mkdtemp(prefix='fedjax_ssl_test_cache_')  # one per xdist worker
+  atexit.register(shutil.rmtree, cache, ignore_errors=True)
+  os.environ['FEDJAX_SSL_CACHE_DIR'] = cache
+  os.environ['FEDJAX_SSL_AUTOTUNE'] = '0'
 
 
 def binary_env(optimized: bool = False) -> dict:

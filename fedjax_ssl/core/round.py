@@ -106,7 +106,7 @@ def client_round_fn(algo: Algorithm, cfg: RoundConfig, client_algo: Algorithm | 
     trained, loss = local.train_client(
         ca.local_step, start, data.x, data.y, data.offsets[cid], data.n[cid], ckey, msg, lr,
         n_max=data.n_max, batch_size=cfg.batch_size, local_epochs=cfg.local_epochs,
-        drop_last=cfg.drop_last, shrink=cfg.vmap_shrink)
+        drop_last=cfg.drop_last, shrink=cfg.vmap_shrink, n_min=data.n_min)
     trained = ca.end(start, trained, msg)
     # The padded view is gathered only if `upload` reads it (XLA drops it otherwise).
     payload = ca.upload(trained, msg, LocalData(*data.client(cid), rng.upload_key(ckey)))

@@ -82,6 +82,10 @@ class FedData:
       per-epoch permutation (core/local.py), so the random order of a client's rows depends only on
       its own key and n_max.
     public_x: uint8 [L, H, W, ch] public/RAD set carved out before partitioning, or None.
+    n_min: static int, min(n), or 0 when not known. When every client runs the same number of local
+      steps (steps of n_min = steps of n_max) a vmapped round trains them in one phase instead of
+      phases of shrinking width (core/local.py): each phase is another copy of the training step
+      in the compiled program.
   """
   x: jax.Array
   y: jax.Array
@@ -89,6 +93,7 @@ class FedData:
   offsets: jax.Array
   n_max: int = flax.struct.field(pytree_node=False)
   public_x: Optional[jax.Array] = None
+  n_min: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def num_clients(self) -> int:
@@ -141,7 +146,8 @@ class FedData:
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     return cls(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32),
                offsets=jnp.asarray(offsets, jnp.int32), n_max=n_max or largest,
-               public_x=None if public_x is None else jnp.asarray(public_x))
+               public_x=None if public_x is None else jnp.asarray(public_x),
+               n_min=int(sizes.min()))
 
   @classmethod
   def from_padded(cls, x, y, n, public_x=None) -> 'FedData':

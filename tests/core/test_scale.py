@@ -66,6 +66,37 @@ def _count_lane_steps(shrink):
   return len(calls), out, singles
 
 
+def test_equal_step_counts_compile_one_phase_with_the_same_numbers():
+  """With n_min giving the steps of n_max (every client trains as long), the vmapped training is one
+  phase: one copy of the step in the program instead of one per width (4, 2, 1 here), the same
+  numbers bit for bit. Clients of 16 and 17 rows at batch 2 both run 8 steps."""
+  sizes = np.array([16, 17, 16, 16], np.int32)
+
+  def local_step(client, batch, key, msg, lr):
+    x = batch['x'].astype(jnp.float32).sum() + jax.random.uniform(key) + msg
+    return {'w': client['w'] * 0.5 + lr * x}, x
+
+  x = jnp.arange(int(sizes.sum()), dtype=jnp.uint8)[:, None]
+  y = jnp.zeros((int(sizes.sum()),), jnp.int32)
+  offsets = jnp.asarray(np.cumsum(sizes) - sizes)
+  keys = jax.vmap(lambda c: rng.client_key(jax.random.PRNGKey(0), c))(jnp.arange(4))
+
+  def batched(n_min, shrink=2.0):
+    def one(offset, n, key):
+      return local.train_client(local_step, {'w': jnp.float32(0)}, x, y, offset, n, key,
+                                jnp.float32(1), jnp.float32(0.5), n_max=17, batch_size=2,
+                                local_epochs=1, shrink=shrink, n_min=n_min)
+    return jax.jit(jax.vmap(one))
+  args = (offsets, jnp.asarray(sizes), keys)
+  def loops(fn):
+    return fn.lower(*args).as_text().count('stablehlo.while')
+  # n_min = 15 gives 7 steps, not 8: unknown as far as the phases go.
+  assert loops(batched(0)) == loops(batched(15)) > loops(batched(16)) == loops(batched(0, 0.0))
+  one_phase, phases = batched(16)(*args), batched(0)(*args)
+  for a, b in zip(jax.tree.leaves(one_phase), jax.tree.leaves(phases)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize('shrink,executed', [(0.0, 4 * 8), (2.0, 4 * 2 + 2 * 6)])
 def test_vmapped_training_runs_its_real_steps(shrink, executed):
   """Without phases every lane runs the longest client's 8 steps (32); with widths 4, 2, 1 the

@@ -136,6 +136,38 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
   assert rounds == list(range(0, ROUNDS + 1))
 
 
+@pytest.mark.slow
+def test_a_second_run_loads_its_round_from_the_caches(tmp_path):
+  """The binary's caches (--cache_dir, here through $FEDJAX_SSL_CACHE_DIR): the first run measures
+  strategy='auto' and compiles; a second run of the same config reads the choice and loads its
+  round step from the persistent compilation cache; damaged cache entries only cost a compile."""
+  cache = tmp_path / 'cache'
+  env = dict(_env(), FEDJAX_SSL_CACHE_DIR=str(cache), FEDJAX_SSL_AUTOTUNE='1')
+  cmd = lambda w: _cmd(tmp_path / w) + ['--config.rounds=2']  # noqa: E731
+  results = {}
+  for name in ('first', 'second'):
+    subprocess.run(cmd(name), cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    results[name] = json.loads((tmp_path / name / 'results.json').read_text())
+  first, second = results['first'], results['second']
+  assert first['strategy']['source'] == 'measured'
+  assert second['strategy']['source'] == 'cache'
+  assert second['strategy']['strategy'] == first['strategy']['strategy']
+  assert (tmp_path / 'first' / 'strategy.json').exists()
+  compiled = first['strategy']['compile_seconds'][second['strategy']['strategy'] + '1'
+                                                  if second['strategy']['strategy'] == 'map'
+                                                  else 'vmap']
+  assert second['first_round']['persistent_cache_hits'] >= 1
+  assert second['first_round']['xla_seconds'] < 0.5 * compiled, (second['first_round'], compiled)
+  assert second['final'] == first['final']
+  for entry in (cache / 'xla').iterdir():
+    entry.write_bytes(b'damaged')
+  out = subprocess.run(cmd('third'), cwd=REPO, env=env, check=True, capture_output=True,
+                       text=True, timeout=600)
+  assert 'Traceback' not in out.stderr
+  third = json.loads((tmp_path / 'third' / 'results.json').read_text())
+  assert third['first_round']['persistent_cache_hits'] == 0 and third['final'] == first['final']
+
+
 @pytest.mark.parametrize('override, message', [
     ('--config.alpha=-1', 'error: config.alpha = -1.0 is invalid: must be a finite number > 0.0'),
     ('--config.algorithm=fedprox', "error: config.algorithm = 'fedprox' is invalid"),
@@ -151,6 +183,9 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
                                'training examples in the kNN memory bank (config.train_size = 64)'),
     ('--config.rounds=abc', "error: flag --config.rounds=abc: invalid literal for int() with base "
                             "10: 'abc'"),
+    ('--cache_dir=/dev/null/cache', "error: cache_dir = '/dev/null/cache' cannot be written (Not "
+                                    "a directory): give a writable folder, or '' to run without "
+                                    "the cache"),
 ])
 def test_bad_config_is_one_error_line_before_compute(tmp_path, override, message):
   out = subprocess.run(_cmd(tmp_path / 'w')[:5] + [override],

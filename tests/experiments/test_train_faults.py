@@ -194,6 +194,41 @@ def test_sigterm_saves_the_round_and_the_resume_is_exact(baseline, tmp_path, mon
   _assert_same_run(workdir, baseline)
 
 
+def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch):
+  """strategy='auto' is measured once (CACHE_DIR/strategy.json) and recorded in the workdir; a
+  resume uses the recorded strategy even when the cache has changed its mind since (strategies
+  agree only to float rounding), and ends bit-exact; a fresh run takes the cache's."""
+  monkeypatch.setenv('FEDJAX_SSL_AUTOTUNE', '1')
+  cache = tmp_path / 'cache'
+  config = dict(checkpoint_every=10)
+  full = _train(tmp_path / 'full', config=config, cache_dir=cache)
+  measured = full['strategy']
+  assert measured['source'] == 'measured' and set(measured['seconds']) == {'map1', 'vmap'}
+  assert json.loads((tmp_path / 'full' / 'strategy.json').read_text()) == measured
+
+  stopped = tmp_path / 'stopped'
+  def sigterm_after_2(r, state, metrics):
+    if r == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return state, metrics
+  with monkeypatch.context() as m:
+    _round_step_hook(m, sigterm_after_2)
+    with pytest.raises(run_guard.Preempted):
+      _train(stopped, config=config, cache_dir=cache)
+  assert json.loads((stopped / 'strategy.json').read_text())['source'] == 'cache'
+  other = 'vmap' if measured['strategy'] == 'map' else 'map'
+  entries = json.loads((cache / 'strategy.json').read_text())
+  for entry in entries.values():
+    entry['choice']['strategy'] = other
+  (cache / 'strategy.json').write_text(json.dumps(entries))
+  resumed = _train(stopped, config=config, cache_dir=cache)
+  assert (resumed['strategy']['source'], resumed['strategy']['strategy']) == (
+      'workdir', measured['strategy'])
+  _assert_same_run(stopped, tmp_path / 'full')
+  fresh = _train(tmp_path / 'fresh', config=config, cache_dir=cache)
+  assert (fresh['strategy']['source'], fresh['strategy']['strategy']) == ('cache', other)
+
+
 @pytest.mark.slow
 def test_damaged_checkpoints_are_moved_aside_and_the_newest_intact_one_used(
     baseline, tmp_path, monkeypatch, capfd):

@@ -1,0 +1,239 @@
+"""`strategy='auto'`: the execution strategy of a round, chosen by timing the candidates once.
+
+Which strategy is fastest depends on the backend, the model, the shapes and the precision, and no
+rule got it right: on an H200 `vmap` was 1.75x slower than `map` in float32 on ResNet-18 and 1.36x
+faster in bfloat16 (docs/notes/performance.md#perf-45). So the first time a program is seen (the
+`key`: backend, device kind, jax version and every config value that shapes the round), each
+candidate (strategy, chunk size) runs a warm-up round (its compile) and `TIMED_ROUNDS` timed rounds
+on a copy of the run's initial state, and the fastest (least median seconds) is kept in
+CACHE_DIR/strategy.json beside the compilation cache; later runs of the same key read it and time
+nothing. The run's own round step is the winner's, already compiled.
+
+Strategies compute the same function but agree only to float rounding, so a run records its
+resolved strategy in its workdir and a resume uses that one, whatever the cache says
+(`fedjax_ssl.training`... the train binary: WORKDIR/strategy.json).
+
+Set FEDJAX_SSL_AUTOTUNE=0 to resolve 'auto' to the static per-backend default
+(`strategies.default_strategy`) without timing anything (the test suite does, so that its runs
+compile one program each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+
+from fedjax_ssl.core import compilation, strategies
+
+ENV_VAR = 'FEDJAX_SSL_AUTOTUNE'
+FILE = 'strategy.json'
+TIMED_ROUNDS = 2
+VERSION = 1  # of the file's entries; an entry of another version is measured again
+
+Candidate = Tuple[str, int]  # (strategy, map_chunk_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """A resolved strategy and where it came from.
+
+  source: 'config' (not 'auto'), 'measured', 'cache' (CACHE_DIR/strategy.json), 'workdir' (the
+    run being resumed), 'static' (auto without timing: FEDJAX_SSL_AUTOTUNE=0 or no cache folder).
+  seconds: {candidate label: median seconds per round} of the measurement ({} if none), and
+    errors: {label: why it could not run} (e.g. out of memory).
+  """
+  strategy: str
+  map_chunk_size: int
+  source: str
+  seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+  errors: Dict[str, str] = dataclasses.field(default_factory=dict)
+  compile_seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def label(self) -> str:
+    return label(self.strategy, self.map_chunk_size)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict, source: Optional[str] = None) -> 'Choice':
+    fields = {f.name for f in dataclasses.fields(cls)}
+    c = cls(**{k: v for k, v in d.items() if k in fields})
+    return dataclasses.replace(c, source=source) if source else c
+
+  def text(self) -> str:
+    what = f'strategy {self.strategy!r}' + (f' (chunk {self.map_chunk_size})'
+                                             if self.strategy != 'vmap' else '')
+    if self.source == 'measured':
+      times = ', '.join(f'{k} {v:.3f}s' for k, v in sorted(self.seconds.items(),
+                                                          key=lambda kv: kv[1]))
+      failed = ''.join(f'; {k} failed: {v}' for k, v in self.errors.items())
+      return f'{what}, the fastest by measurement (s/round: {times}{failed})'
+    return what + {'config': ' (config)', 'cache': ', measured earlier (strategy cache)',
+                   'workdir': ', as the run being resumed', 'static': ' (auto, static default: '
+                   'no measurement)'}[self.source]
+
+
+def label(strategy: str, chunk: int) -> str:
+  return strategy if strategy == 'vmap' else f'{strategy}{chunk}'
+
+
+def enabled() -> bool:
+  """False when FEDJAX_SSL_AUTOTUNE is 0 / false / off."""
+  return os.environ.get(ENV_VAR, '1').strip().lower() not in ('0', 'false', 'off', 'no')
+
+
+def candidates(backend: str, participants: int) -> List[Candidate]:
+  """The (strategy, chunk) pairs worth timing for `participants` clients a round.
+
+  'vmap' (one fused program) and 'map' with chunk 1 (clients one after another in one program) on
+  every backend; on an accelerator also a chunked 'map' of about half the participants (vmap inside
+  lax.map: fuller kernels than chunk 1, less memory and smaller grouped convolutions than vmap).
+  'shard' needs several devices and is never picked by 'auto'.
+  """
+  out: List[Candidate] = [('map', 1)]
+  if participants > 1:
+    out.append(('vmap', 1))
+  half = (participants + 1) // 2
+  if backend != 'cpu' and 1 < half < participants:
+    out.append(('map', half))
+  return out
+
+
+class StrategyCache:
+  """CACHE_DIR/strategy.json: {key: Choice as json}. Unreadable: a warning, treated as empty."""
+
+  def __init__(self, cache_dir: pathlib.Path):
+    self.path = pathlib.Path(cache_dir) / FILE
+
+  def _read(self) -> Dict[str, dict]:
+    if not self.path.exists():
+      return {}
+    try:
+      data = json.loads(self.path.read_text())
+      if not isinstance(data, dict):
+        raise ValueError('not a JSON object')
+      return data
+    except (OSError, ValueError) as e:
+      logging.warning('strategy cache %s cannot be read (%s): ignored, measuring again',
+                      self.path, e)
+      return {}
+
+  def get(self, key: str) -> Optional[Choice]:
+    entry = self._read().get(key)
+    if not isinstance(entry, dict) or entry.get('version') != VERSION:
+      return None
+    try:
+      return Choice.from_json(entry['choice'], source='cache')
+    except (KeyError, TypeError) as e:
+      logging.warning('strategy cache %s: entry %s unreadable (%s): measuring again', self.path,
+                      key, e)
+      return None
+
+  def put(self, key: str, choice: Choice, description: dict) -> None:
+    data = self._read()
+    data[key] = {'version': VERSION, 'choice': choice.to_json(), 'program': description,
+                 'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S')}
+    tmp = self.path.with_suffix(f'.{os.getpid()}.tmp')
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, self.path)
+
+
+def measure(make_step: Callable[[str, int], Callable], fresh_state: Callable[[], Any],
+            fed_data: Any, keys: Sequence[jax.Array], cands: Sequence[Candidate]
+            ) -> Tuple[Choice, Dict[str, Callable]]:
+  """Times every candidate: a warm-up round (its compile), then a round per entry of keys[1:].
+
+  make_step(strategy, chunk) -> round step; fresh_state() -> a new initial FedState (each call its
+  own buffers: the step donates them). Returns (the fastest as a 'measured' Choice, {label: its
+  compiled step}) — the caller keeps the winner's step. A candidate that raises (e.g. out of
+  memory) is recorded in Choice.errors; if all raise, the first error is raised.
+  """
+  seconds, errors, compile_s, steps, first_error = {}, {}, {}, {}, None
+  for strategy, chunk in cands:
+    name = label(strategy, chunk)
+    try:
+      step = make_step(strategy, chunk)
+      state = fresh_state()
+      with compilation.compile_timer() as times:
+        state, _ = step(state, fed_data, keys[0])
+        jax.block_until_ready(state)
+      compile_s[name] = times.total
+      per_round = []
+      for key in keys[1:]:
+        t0 = time.perf_counter()
+        state, _ = step(state, fed_data, key)
+        jax.block_until_ready(state)
+        per_round.append(time.perf_counter() - t0)
+      seconds[name] = statistics.median(per_round)
+      steps[name] = step
+      del state
+    except Exception as e:  # pylint: disable=broad-except
+      first_error = first_error or e
+      errors[name] = f'{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ""}'
+      logging.warning('strategy candidate %s failed: %s', name, errors[name])
+  if not seconds:
+    raise first_error
+  best = min(seconds, key=seconds.get)
+  strategy, chunk = next((s, c) for s, c in cands if label(s, c) == best)
+  return Choice(strategy, chunk, 'measured', seconds, errors, compile_s), steps
+
+
+def program_description(**fields) -> dict:
+  """What identifies a program for the strategy cache: the caller's fields (the config values that
+  shape the round, the data's shapes) plus the backend, device kind and count and jax version."""
+  device = jax.devices()[0]
+  return dict(fields, backend=jax.default_backend(), device_kind=device.device_kind,
+              device_count=jax.device_count(), jax=jax.__version__)
+
+
+def cache_key(description: dict) -> str:
+  import hashlib  # pylint: disable=g-import-not-at-top
+  return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()
+                        ).hexdigest()[:24]
+
+
+def resolve(requested: str, chunk: int, *, participants: int, description: dict,
+            cache_dir: Optional[pathlib.Path], stored: Optional[dict],
+            make_step: Callable[[str, int], Callable], fresh_state: Callable[[], Any],
+            fed_data: Any, keys: Sequence[jax.Array]) -> Tuple[Choice, Optional[Callable]]:
+  """The strategy a run uses, and its compiled round step when one was built on the way.
+
+  Args:
+    requested, chunk: config.strategy and config.map_chunk_size.
+    participants: clients per round (the candidates' chunk sizes).
+    description: `program_description(...)` of the run's round (the cache key's content).
+    cache_dir: the cache folder (None: off, so 'auto' is the static default).
+    stored: the Choice json a run being resumed recorded (its strategy is kept), else None.
+    make_step, fresh_state, fed_data, keys: as `measure` (keys: 1 + TIMED_ROUNDS round keys).
+  Returns:
+    (Choice, the winner's step or None: the caller builds it with make_step).
+  """
+  if requested != 'auto':
+    return Choice(strategies.resolve_strategy(requested), chunk, 'config'), None
+  if stored is not None:
+    return Choice.from_json(stored, source='workdir'), None
+  if cache_dir is None or not enabled() or participants < 2:
+    return Choice(strategies.default_strategy(), chunk, 'static'), None
+  cache = StrategyCache(cache_dir)
+  key = cache_key(description)
+  cached = cache.get(key)
+  if cached is not None:
+    return cached, None
+  choice, steps = measure(make_step, fresh_state, fed_data, keys,
+                          candidates(jax.default_backend(), participants))
+  try:
+    cache.put(key, choice, description)
+  except OSError as e:
+    logging.warning('strategy cache %s cannot be written (%s): the choice is not kept',
+                    cache.path, e)
+  return choice, steps[choice.label]

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The prepared GPU check of issue 46, in three parts that each end within ~6 minutes on one H100 /
+# H200 (two fit in a 15-minute lease with the machine's start). Prepare once here, on the CPU box:
+#
+#   bash scripts/gpu_wheels.sh        # .whl/: ml-collections, dp-accounting, tensorboardX
+#
+# then, on the GPU (the device tool: carry [".whl"]; $OUT is the folder that comes back):
+#
+#   bash scripts/gpu_check.sh core    # ResNet-18 FedBYOL round, 10 clients x 5 steps x batch 64,
+#                                     # `flip` views: map / vmap / map5 in float32 and bfloat16,
+#                                     # the eager PyTorch loop (TF32, bf16) and one PyTorch model
+#                                     # on the union batch (bf16 channels_last, float32), ratios,
+#                                     # TFLOP/s, a jax.profiler summary of map and vmap in bf16,
+#                                     # and the same programs again from the compilation cache
+#   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
+#                                     # participants; FedU2's round parts (FUR, EUA) and the eager
+#                                     # loop of its cross-silo participants (B = 128)
+#   bash scripts/gpu_check.sh auto    # the train binary (configs/gpu_round.py, bf16): a first run
+#                                     # measures strategy='auto' and compiles; a second run of the
+#                                     # same config reads both caches
+#
+# Each part writes check_<part>.log and its JSON files (at most 8 files) to $OUT (default
+# docs/results/gpu/check_<part>); every stage has a time limit, so a stage that runs long ends the
+# stage, not the part. Commit what comes back under docs/results/gpu/ (docs/notes/performance.md
+# #gpu-check says how to read it). SMOKE=1 runs every stage on a tiny model and round instead (the
+# CPU test of this script, tests/experiments/test_gpu_check.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:-core}
+case "$PART" in core|extra|auto) ;; *) echo "error: part = '$PART' is invalid: must be core, extra or auto" >&2; exit 1;; esac
+OUT=${OUT:-docs/results/gpu/check_$PART}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/check_$PART.log") 2>&1
+T0=$(date +%s)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+CACHE=$(mktemp -d /tmp/fedjax_ssl_cache.XXXX)  # a cold cache: the first compile is measured
+# Dense peaks of the H100 / H200 SXM (the same chip): TF32 ~495 TFLOP/s (XLA's and PyTorch's
+# float32 matmuls and convolutions run as TF32), bf16 ~989.
+PEAKS=${PEAKS:-495,989}
+M=resnet18 C=10 C100=100 E=5 B=64 B128=128 R=3 IMAGES=640 TRAIN_ARGS=()
+if [ "${SMOKE:-0}" = 1 ]; then
+  M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16
+  TRAIN_ARGS=(--config.encoder=mlp --config.num_clients=3 --config.clients_per_round=3
+              --config.train_size=96 --config.rounds=1 --config.heads=custom)
+fi
+
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: start at +$(( $(date +%s) - T0 ))s (limit ${limit}s): $*"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@"
+  echo "=== $name: exit $? at +$(( $(date +%s) - T0 ))s"
+}
+
+stage env 60 "$PY" - "$OUT/env_$PART.json" <<'EOF'
+import json, platform, subprocess, sys
+info = {'python': platform.python_version()}
+for name in ('jax', 'jaxlib', 'flax', 'optax', 'orbax.checkpoint', 'torch', 'numpy'):
+  try:
+    info[name] = __import__(name, fromlist=['_']).__version__
+  except Exception as e:  # pylint: disable=broad-except
+    info[name] = f'unavailable: {e}'
+import jax
+info['devices'] = [f'{d.platform}:{d.device_kind}' for d in jax.devices()]
+try:
+  info['nvidia_smi'] = subprocess.run(
+      ['nvidia-smi', '--query-gpu=name,memory.total,driver_version,clocks.max.sm',
+       '--format=csv,noheader'], capture_output=True, text=True, timeout=20).stdout.strip()
+except Exception as e:  # pylint: disable=broad-except
+  info['nvidia_smi'] = f'unavailable: {e}'
+print(json.dumps(info, indent=1))
+json.dump(info, open(sys.argv[1], 'w'), indent=1)
+EOF
+
+case "$PART" in
+core)
+  stage bench 330 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=map,vmap,map5 --precisions=float32,bfloat16 --peak_tflops="$PEAKS" \
+    --torch_variants=torch,torch_bf16,torch_union,torch_union_fp32 \
+    --profile_dir=/tmp/profile --profile_variants=map/bfloat16,vmap/bfloat16 \
+    --cache_dir="$CACHE" --out="$OUT/bench_c10.json"
+  # The same programs in a new process with the cache the first one filled: what a second run or
+  # seed pays to compile its round (the 'compile' entries).
+  stage bench_warm 90 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=1 \
+    --variants=map,vmap --precisions=float32,bfloat16 --notorch \
+    --cache_dir="$CACHE" --out="$OUT/bench_c10_warm.json"
+  ;;
+extra)
+  stage bench_c100 200 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \
+    --participants=$C --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=map/bfloat16,vmap/bfloat16,map5/bfloat16 --precisions=float32,bfloat16 \
+    --peak_tflops="$PEAKS" --torch_variants=torch,torch_bf16,torch_union \
+    --out="$OUT/bench_c100_p10.json"
+  # FedU2's own costs and its round (configs/fedu2/paper_cross_silo.py's model and batch: ResNet-18,
+  # 512-2048-512 heads, B = 128; 10 participants of 640 images, one local epoch = 5 steps) ...
+  stage fedu2 200 "$PY" -m experiments.fedu2.timing --batch_sizes=$B128 --clients=$C \
+    --round_clients=$C --round_images=$IMAGES --repeats=2 --strategy=map --encoder=$M \
+    --out="$OUT/fedu2_round.json"
+  # ... and the eager PyTorch loop of the same participants, steps and batch (BYOL: the official
+  # code's FUR and EUA are not in the PyTorch reference, so this loop is a lower bound of its time).
+  stage fedu2_eager 120 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B128 --repeats=2 --variants= \
+    --torch_variants=torch,torch_bf16 --out="$OUT/eager_c10_b128.json"
+  ;;
+auto)
+  for run in first second; do
+    stage "train_$run" 240 "$PY" -m experiments.train --config configs/gpu_round.py \
+      --workdir "/tmp/gpu_round_$run.$$" --cache_dir "$CACHE" --config.precision=bfloat16 \
+      "${TRAIN_ARGS[@]}"
+    cp "/tmp/gpu_round_$run.$$/results.json" "$OUT/train_${run}_results.json" 2>/dev/null
+    grep -h " step: \|), strategy '" "/tmp/gpu_round_$run.$$/train.log" 2>/dev/null | cut -c1-400
+  done
+  cp "$CACHE/strategy.json" "$OUT/strategy_cache.json" 2>/dev/null
+  ;;
+esac
+echo "=== done at +$(( $(date +%s) - T0 ))s; files in $OUT:"
+ls -la "$OUT"

@@ -1,0 +1,41 @@
+"""scripts/gpu_check.sh, the prepared GPU check, run on the CPU with SMOKE=1 (a tiny model and
+round): its 'auto' part trains twice through the binary's caches and leaves the files a GPU lease
+brings back; a wrong part name is one error line. (The 'core' and 'extra' parts run the benchmark
+and experiments.fedu2.timing, whose flags their own tests check.)"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests import subprocess_env
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_auto_part_measures_then_reads_the_caches(tmp_path):
+  env = dict(subprocess_env.binary_env(), SMOKE='1', OUT=str(tmp_path), PYTHON=sys.executable)
+  env.pop('FEDJAX_SSL_AUTOTUNE', None)  # the script's runs measure, as a user's do
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'auto'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == [
+      'check_auto.log', 'env_auto.json', 'strategy_cache.json', 'train_first_results.json',
+      'train_second_results.json']
+  first = json.loads((tmp_path / 'train_first_results.json').read_text())
+  second = json.loads((tmp_path / 'train_second_results.json').read_text())
+  assert (first['strategy']['source'], second['strategy']['source']) == ('measured', 'cache')
+  assert second['first_round']['persistent_cache_hits'] >= 1
+  log = (tmp_path / 'check_auto.log').read_text()
+  assert '=== train_second: exit 0' in log and 'the fastest by measurement' in log
+  assert json.loads((tmp_path / 'env_auto.json').read_text())['devices'] == ['cpu:cpu']
+
+
+def test_unknown_part_is_one_error_line(tmp_path):
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
+                       text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
+  assert out.returncode == 1
+  assert out.stderr.strip() == ("error: part = 'all' is invalid: must be core, extra or auto")
