@@ -12,9 +12,9 @@ rerun tries it again. A workdir whose config.json differs from the cell's curren
 file changed) is reported, never overwritten. Compiled programs and the strategies 'auto' measured
 are cached in the binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl;
 fedjax_ssl/core/compilation.py), so seeds after the first skip most compilation. The raw-pixel
-reference row is evaluated once per seed and shared by the runs that read the same pixels
-(DIR/references, keyed by a digest of the data and the protocol's settings;
-`train.raw_pixel_reference`). After every run DIR/table.csv,
+reference row is evaluated once per seed and shared by the runs that read the same pixels (CACHE_DIR/references, keyed by a
+digest of the data and the protocol's settings; `train.raw_pixel_reference`), and so is the
+random-init evaluation of equal variables on equal data. After every run DIR/table.csv,
 DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number)
 from every run of the table under DIR, whichever cells and seeds this invocation ran; cells with no
 run under DIR keep their entries of the earlier DIR/table.csv (marked as carried in table.md), so a
@@ -56,7 +56,7 @@ from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
-from fedjax_ssl.core import compilation  # noqa: E402
+from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>.py).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
@@ -141,8 +141,16 @@ def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
   tmp.replace(workdir / 'error.json')
 
 
-# Under OUT: the raw-pixel reference rows shared by the runs that read the same pixels.
+# Under OUT, when the binaries' cache folder is off ($FEDJAX_SSL_CACHE_DIR=''): the reference rows
+# shared by the runs that read the same pixels (else CACHE_DIR/references, train.REFERENCES).
 REFERENCES = 'references'
+
+
+def _reference_cache(out: pathlib.Path) -> str:
+  """The folder where the table's runs share their reference evaluations."""
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  cache_dir = compilation.resolve_cache_dir(None)
+  return str(cache_dir / train.REFERENCES if cache_dir is not None else out / REFERENCES)
 
 
 def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
@@ -175,7 +183,8 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
   try:
     cache_dir = (compilation.enable_cache() if not jax.config.jax_compilation_cache_dir else
                  compilation.resolve_cache_dir(None))
-  except compilation.CacheError as e:
+    autotune.check_environment()
+  except ValueError as e:
     raise cv.ConfigError(str(e)) from None
   todo = [r for r in runs if reproduce.run_status(r, out)[0] in ('missing', 'failed')
           and r.config is not None]
@@ -187,7 +196,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     (workdir / 'error.json').unlink(missing_ok=True)
     try:
       train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
-                               reference_cache=str(out / REFERENCES), cache_dir=cache_dir)
+                               reference_cache=_reference_cache(out), cache_dir=cache_dir)
     except Exception as e:  # pylint: disable=broad-except
       # Recorded in the table and retried on the next invocation; the other runs go on.
       _write_error(workdir, e)
@@ -231,8 +240,8 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
       run = runs[(cell, seed)]
       if run.config is None:
         raise cv.ConfigError(f'cell {cell!r} at seed {seed}: {run.config_error}')
-      references[(cell, seed)] = train.reference_evaluations(
-          run.config, str(out / REFERENCES), memo)
+      references[(cell, seed)] = train.reference_evaluations(run.config, _reference_cache(out),
+                                                             memo)
     problems = reproduce.fill_references(summary, references)
     shown_seeds = sorted({s for e in summary for s in e['seeds']})
     # table.md keeps the command that produced its values, when it names one.

@@ -75,7 +75,7 @@ from fedjax_ssl import (checkpoint, configuration, experiment, logging_utils, pl
                         run_guard)
 from fedjax_ssl.data.info import DatasetInfo  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl.core import compilation, rng, strategies  # noqa: E402
+from fedjax_ssl.core import autotune, compilation, rng, strategies  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402
 from fedjax_ssl.data import partition  # noqa: E402
 
@@ -101,6 +101,7 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 LOG_FILE = 'train.log'
 STRATEGY_FILE = 'strategy.json'  # the strategy the run resolved (autotune.Choice), for its resumes
+REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
@@ -179,13 +180,17 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
   `allow_config_change` are the binary's flags of those names. `reference_cache`: a directory
   where runs that read the same pixels share the raw-pixel reference (`raw_pixel_reference`).
   `cache_dir`: the folder of `compilation.enable_cache` (the binaries' --cache_dir), where
-  `strategy='auto'` keeps its measured choices; None: 'auto' is the static per-backend default.
+  `strategy='auto'` keeps its measured choices and, under references/ unless `reference_cache` is
+  given, the reference evaluations (random-init encoder, raw pixels) runs of equal inputs share;
+  None: 'auto' is the static per-backend default and nothing is shared.
 
   Returns process 0's results ("status": "completed", or "diverged" when a round became non-finite:
   the run stopped there); the other processes return only the status. Raises
   `run_guard.RunStateError` (a ConfigError) when the workdir refuses the run, and
   `run_guard.Preempted` (a SystemExit) after a stop signal once the round's checkpoint is saved.
   """
+  if reference_cache is None and cache_dir is not None:
+    reference_cache = str(pathlib.Path(cache_dir) / REFERENCES)
   with logging_utils.RunLog() as log:
     experiment.validate_config(config)
     if strategies.multi_process() and strategies.resolve_strategy(config.strategy) != 'shard':
@@ -297,17 +302,21 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     random_init = json.loads(random_init_path.read_text())
     took = f'(from {random_init_path.name})'
   else:
-    t0 = time.time()
-    random_init = experiment.evaluate(config, algo, _local(state if start == 0 else
-                                                           initial_state()), dataset)
+    initial = _local(state if start == 0 else initial_state())
+    random_init, took = _shared_reference(
+        reference_cache, 'random_init', primary,
+        lambda: experiment.evaluation_key(config, algo, initial, dataset),
+        lambda: experiment.evaluate(config, algo, initial, dataset))
     if primary:
       _write_json(random_init_path, random_init)
-    took = f'({time.time() - t0:.1f}s)'
   width = len(str(config.rounds))
   say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
       f'{_metrics_text(_scalars(random_init))}  {took}')
   raw_pixels = None
-  if config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
+  if config.probe == 'logistic' and config.dataset == 'synthetic':
+    say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their mean '
+        'image by construction (sources.make_synthetic)')
+  elif config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
     raw_pixels, took = raw_pixel_reference(config, dataset, workdir, reuse=not changes,
                                            shared_dir=reference_cache, primary=primary)
     say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
@@ -446,6 +455,24 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   return results
 
 
+def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
+  """(metrics, a note for the log line): SHARED_DIR/<name>-<key_fn()>.json when an earlier run
+  with the same key wrote it, else compute(), then written there by the primary process (no
+  SHARED_DIR: computed). An unreadable file is evaluated again, with a warning."""
+  shared = pathlib.Path(shared_dir) / f'{name}-{key_fn()}.json' if shared_dir else None
+  if shared is not None and shared.exists():
+    try:
+      return json.loads(shared.read_text()), f'(from {shared})'
+    except ValueError as e:
+      run_guard.report(f'warning: {shared} cannot be read ({e}): evaluating again', echo=primary)
+  t0 = time.time()
+  metrics = compute()
+  if primary and shared is not None:
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(shared, metrics)
+  return metrics, f'({time.time() - t0:.1f}s)'
+
+
 def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse: bool,
                         shared_dir=None, primary: bool = True):
   """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
@@ -456,23 +483,15 @@ def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse:
 
   The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
   images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
-  random-init encoder), and every row of a table at one seed
-  reads the same pixels: experiments.reproduce shares it across a table's runs with OUT/references.
+  random-init encoder), and every row of a table at one seed reads the same pixels: the binaries
+  share it across runs through CACHE_DIR/references (`compilation.enable_cache`).
   Returns (metrics dict, a note for the log line)."""
   raw_path = workdir / 'raw_pixels.json' if workdir is not None else None
   if reuse and raw_path is not None and raw_path.exists():
     return json.loads(raw_path.read_text()), f'(from {raw_path.name})'
-  shared = (pathlib.Path(shared_dir) / f'raw_pixels-{experiment.raw_pixel_key(config, dataset)}.json'
-            if shared_dir else None)
-  if shared is not None and shared.exists():
-    metrics, took = json.loads(shared.read_text()), f'(from {shared})'
-  else:
-    t0 = time.time()
-    metrics = experiment.raw_pixel_metrics(config, dataset)
-    took = f'({time.time() - t0:.1f}s)'
-    if primary and shared is not None:
-      shared.parent.mkdir(parents=True, exist_ok=True)
-      _write_json(shared, metrics)
+  metrics, took = _shared_reference(shared_dir, 'raw_pixels', primary,
+                                    lambda: experiment.raw_pixel_key(config, dataset),
+                                    lambda: experiment.raw_pixel_metrics(config, dataset))
   if primary and raw_path is not None:
     _write_json(raw_path, metrics)
   return metrics, took
@@ -500,7 +519,7 @@ def reference_evaluations(config, reference_cache: str | None = None,
   if key not in memo:
     memo[key] = experiment.evaluate(config, algo, state, dataset)
   raw_pixels = None
-  if config.probe == 'logistic':
+  if config.probe == 'logistic' and config.dataset != 'synthetic':  # as a run: `_run`
     raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
                                         shared_dir=reference_cache)
   return memo[key], raw_pixels
@@ -589,7 +608,8 @@ def main(argv):
                                process_id=pid)
   try:
     cache_dir = compilation.enable_cache(_CACHE_DIR.value)
-  except compilation.CacheError as e:
+    autotune.check_environment()
+  except ValueError as e:  # a cache folder that cannot be written, a bad FEDJAX_SSL_AUTOTUNE
     raise cv.ConfigError(str(e)) from None
   try:
     results = train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value,

@@ -32,17 +32,14 @@ def _fast_compile(flags: str) -> str:
 def set_session_flags() -> None:
   """Sets XLA_FLAGS for this process; call before anything imports jax (XLA reads them once).
 
-  Also the binaries' caches (fedjax_ssl/core/compilation.py): a folder of this process's own
-  instead of the user's ~/.cache/fedjax_ssl, and strategy='auto' at its static default without
-  timing candidates, so that a test's run compiles one round program (tests/core/test_autotune.py
-  and the binary tests that check the measurement turn it back on)."""
+  Also the binaries' cache folder (fedjax_ssl/core/compilation.py): one of this process's own
+  instead of the user's ~/.cache/fedjax_ssl."""
   caller = caller_flags()
   os.environ[_CALLER_VAR] = caller
   os.environ['XLA_FLAGS'] = f'{_fast_compile(caller)} {_DEVICES}'.strip()
   cache = tempfile.mkdtemp(prefix='fedjax_ssl_test_cache_')  # one per xdist worker
   atexit.register(shutil.rmtree, cache, ignore_errors=True)
   os.environ['FEDJAX_SSL_CACHE_DIR'] = cache
-  os.environ['FEDJAX_SSL_AUTOTUNE'] = '0'
 
 
 def binary_env(optimized: bool = False) -> dict:

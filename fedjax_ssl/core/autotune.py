@@ -13,9 +13,12 @@ Strategies compute the same function but agree only to float rounding, so a run 
 resolved strategy in its workdir and a resume uses that one, whatever the cache says
 (`fedjax_ssl.training`... the train binary: WORKDIR/strategy.json).
 
-Set FEDJAX_SSL_AUTOTUNE=0 to resolve 'auto' to the static per-backend default
-(`strategies.default_strategy`) without timing anything (the test suite does, so that its runs
-compile one program each).
+On a CPU there is one candidate, `map` with chunk 1, so nothing is timed: every CPU measurement
+so far found `vmap` slower (docs/notes/performance.md#perf-2; the quickstart's round: 16.7 s
+against 9.7 s, and 33 s of compile against 5 s, #perf-47), and timing it cost the quickstart two
+minutes. FEDJAX_SSL_AUTOTUNE overrides the candidates: '0' (or off / false / no) resolves 'auto'
+to the static per-backend default (`strategies.default_strategy`) without timing anything; a list
+such as 'map1,vmap,map4' times those (strategy name with its chunk size; 'vmap' alone).
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ class Choice:
   """A resolved strategy and where it came from.
 
   source: 'config' (not 'auto'), 'measured', 'cache' (CACHE_DIR/strategy.json), 'workdir' (the
-    run being resumed), 'static' (auto without timing: FEDJAX_SSL_AUTOTUNE=0 or no cache folder).
+    run being resumed), 'static' (auto without timing: one candidate, FEDJAX_SSL_AUTOTUNE=0 or no
+    cache folder).
   seconds: {candidate label: median seconds per round} of the measurement ({} if none), and
     errors: {label: why it could not run} (e.g. out of memory).
   """
@@ -78,8 +82,8 @@ class Choice:
       failed = ''.join(f'; {k} failed: {v}' for k, v in self.errors.items())
       return f'{what}, the fastest by measurement (s/round: {times}{failed})'
     return what + {'config': ' (config)', 'cache': ', measured earlier (strategy cache)',
-                   'workdir': ', as the run being resumed', 'static': ' (auto, static default: '
-                   'no measurement)'}[self.source]
+                   'workdir': ', as the run being resumed', 'static': ' (auto: the default of '
+                   'this backend, nothing to measure)'}[self.source]
 
 
 def label(strategy: str, chunk: int) -> str:
@@ -87,25 +91,62 @@ def label(strategy: str, chunk: int) -> str:
 
 
 def enabled() -> bool:
-  """False when FEDJAX_SSL_AUTOTUNE is 0 / false / off."""
+  """False when FEDJAX_SSL_AUTOTUNE is 0 / false / off / no."""
   return os.environ.get(ENV_VAR, '1').strip().lower() not in ('0', 'false', 'off', 'no')
+
+
+def parse_candidates(text: str) -> List[Candidate]:
+  """'map1,vmap,map4' -> [('map', 1), ('vmap', 1), ('map', 4)]; ValueError naming a bad entry."""
+  out = []
+  for item in (t.strip() for t in text.split(',') if t.strip()):
+    if item == 'vmap':
+      out.append(('vmap', 1))
+    elif item.startswith('map') and item[3:].isdigit() and int(item[3:]) >= 1:
+      out.append(('map', int(item[3:])))
+    else:
+      raise ValueError(f"{ENV_VAR} = {text!r} is invalid: {item!r} is not 'vmap' or 'map<chunk>' "
+                       "with a chunk >= 1 (e.g. 'map1,vmap,map4'), nor 0 / 1")
+  return out
+
+
+def _explicit_candidates() -> Optional[List[Candidate]]:
+  """The candidates FEDJAX_SSL_AUTOTUNE lists, None when it does not list any."""
+  value = os.environ.get(ENV_VAR, '1').strip().lower()
+  if value in ('', '1', 'true', 'on', 'yes', '0', 'false', 'off', 'no'):
+    return None
+  return parse_candidates(value)
+
+
+def check_environment() -> None:
+  """Raises ValueError (one line) when FEDJAX_SSL_AUTOTUNE is not 0 / 1 or a candidate list."""
+  _explicit_candidates()
 
 
 def candidates(backend: str, participants: int) -> List[Candidate]:
   """The (strategy, chunk) pairs worth timing for `participants` clients a round.
 
-  'vmap' (one fused program) and 'map' with chunk 1 (clients one after another in one program) on
-  every backend; on an accelerator also a chunked 'map' of about half the participants (vmap inside
-  lax.map: fuller kernels than chunk 1, less memory and smaller grouped convolutions than vmap).
-  'shard' needs several devices and is never picked by 'auto'.
+  On an accelerator: 'map' with chunk 1 (clients one after another in one program), 'vmap' (one
+  fused program) and a chunked 'map' of about half the participants (vmap inside lax.map: fuller
+  kernels than chunk 1, less memory and smaller grouped convolutions than vmap). On a CPU: 'map'
+  with chunk 1 alone (module docstring). FEDJAX_SSL_AUTOTUNE='map1,vmap,...' replaces them. Chunks
+  above the participants are dropped; 'shard' needs several devices and is never picked by 'auto'.
   """
-  out: List[Candidate] = [('map', 1)]
-  if participants > 1:
-    out.append(('vmap', 1))
-  half = (participants + 1) // 2
-  if backend != 'cpu' and 1 < half < participants:
-    out.append(('map', half))
-  return out
+  explicit = _explicit_candidates()
+  if explicit is not None:
+    out = explicit
+  elif backend == 'cpu':
+    out = [('map', 1)]
+  else:
+    out = [('map', 1), ('vmap', 1), ('map', (participants + 1) // 2)]
+  unique: List[Candidate] = []
+  for strategy, chunk in out:
+    if strategy == 'vmap' and participants < 2:
+      continue  # one participant: vmap is map
+    if strategy == 'map' and (chunk > participants or (chunk == participants and chunk > 1)):
+      continue  # a chunk of every participant is vmap
+    if (strategy, chunk) not in unique:
+      unique.append((strategy, chunk))
+  return unique or [('map', 1)]
 
 
 class StrategyCache:
@@ -222,15 +263,17 @@ def resolve(requested: str, chunk: int, *, participants: int, description: dict,
     return Choice(strategies.resolve_strategy(requested), chunk, 'config'), None
   if stored is not None:
     return Choice.from_json(stored, source='workdir'), None
-  if cache_dir is None or not enabled() or participants < 2:
+  cands = candidates(jax.default_backend(), participants) if enabled() else []
+  if len(cands) == 1 and _explicit_candidates() is not None:  # the user's one candidate
+    return Choice(*cands[0], 'static'), None
+  if cache_dir is None or len(cands) < 2:
     return Choice(strategies.default_strategy(), chunk, 'static'), None
   cache = StrategyCache(cache_dir)
-  key = cache_key(description)
+  key = cache_key(dict(description, candidates=[label(*c) for c in cands]))
   cached = cache.get(key)
   if cached is not None:
     return cached, None
-  choice, steps = measure(make_step, fresh_state, fed_data, keys,
-                          candidates(jax.default_backend(), participants))
+  choice, steps = measure(make_step, fresh_state, fed_data, keys, cands)
   try:
     cache.put(key, choice, description)
   except OSError as e:

@@ -37,11 +37,11 @@ def setup():
 
 def test_measures_once_keeps_the_fastest_and_reuses_it(setup, tmp_path, monkeypatch):
   config, fed_data, algo, fresh, run_key = setup
-  monkeypatch.setenv(autotune.ENV_VAR, '1')
+  monkeypatch.setenv(autotune.ENV_VAR, 'map1,vmap')  # a CPU has one candidate: time two
   choice, step = experiment.choose_strategy(config, algo, fed_data, fresh, run_key,
                                             cache_dir=tmp_path)
   assert choice.source == 'measured'
-  assert set(choice.seconds) == {'map1', 'vmap'}  # the CPU candidates at 4 participants
+  assert set(choice.seconds) == {'map1', 'vmap'}
   assert choice.label == min(choice.seconds, key=choice.seconds.get)
   assert all(v > 0 for v in choice.compile_seconds.values())
   # The run's step is the winner's, compiled already: it runs a round without compiling again.
@@ -77,7 +77,7 @@ def test_measures_once_keeps_the_fastest_and_reuses_it(setup, tmp_path, monkeypa
 
 def test_unreadable_cache_is_ignored_with_a_warning(setup, tmp_path, monkeypatch, caplog):
   config, fed_data, algo, fresh, run_key = setup
-  monkeypatch.setenv(autotune.ENV_VAR, '1')
+  monkeypatch.setenv(autotune.ENV_VAR, 'map1,vmap')
   (tmp_path / autotune.FILE).write_text('{not json')
   with caplog.at_level(logging.WARNING):
     choice, _ = experiment.choose_strategy(config, algo, fed_data, fresh, run_key,
@@ -93,9 +93,17 @@ def test_without_measurement_auto_is_the_static_default(setup, tmp_path, monkeyp
   choice, _ = experiment.choose_strategy(config, algo, fed_data, fresh, run_key,
                                          cache_dir=tmp_path)
   assert (choice.source, choice.strategy) == ('static', strategies.default_strategy())
-  monkeypatch.setenv(autotune.ENV_VAR, '1')
+  monkeypatch.setenv(autotune.ENV_VAR, 'map1,vmap')
   choice, _ = experiment.choose_strategy(config, algo, fed_data, fresh, run_key, cache_dir=None)
   assert choice.source == 'static'
+  monkeypatch.setenv(autotune.ENV_VAR, '1')  # the CPU default: one candidate, nothing to time
+  choice, _ = experiment.choose_strategy(config, algo, fed_data, fresh, run_key,
+                                         cache_dir=tmp_path)
+  assert (choice.source, choice.strategy) == ('static', 'map')
+  monkeypatch.setenv(autotune.ENV_VAR, 'vmap')  # one listed candidate: used without timing
+  choice, _ = experiment.choose_strategy(config, algo, fed_data, fresh, run_key,
+                                         cache_dir=tmp_path)
+  assert (choice.source, choice.strategy) == ('static', 'vmap')
   pinned, _ = experiment.choose_strategy(_tiny_config(strategy='vmap'), algo, fed_data, fresh,
                                          run_key, cache_dir=tmp_path)
   assert (pinned.source, pinned.strategy) == ('config', 'vmap')
@@ -119,11 +127,17 @@ def test_a_failing_candidate_is_recorded_and_skipped():
     autotune.measure(make_step, lambda: jnp.zeros(3), None, keys, [('vmap', 1)])
 
 
-def test_candidates_per_backend():
-  assert autotune.candidates('cpu', 10) == [('map', 1), ('vmap', 1)]
+def test_candidates_per_backend_and_from_the_environment(monkeypatch):
+  monkeypatch.delenv(autotune.ENV_VAR, raising=False)
+  assert autotune.candidates('cpu', 10) == [('map', 1)]
   assert autotune.candidates('gpu', 10) == [('map', 1), ('vmap', 1), ('map', 5)]
   assert autotune.candidates('gpu', 2) == [('map', 1), ('vmap', 1)]
   assert autotune.candidates('gpu', 1) == [('map', 1)]
+  monkeypatch.setenv(autotune.ENV_VAR, 'map1, vmap,map4,map4,map20')
+  assert autotune.candidates('cpu', 10) == [('map', 1), ('vmap', 1), ('map', 4)]
+  monkeypatch.setenv(autotune.ENV_VAR, 'map0')
+  with pytest.raises(ValueError, match=r"FEDJAX_SSL_AUTOTUNE = 'map0' is invalid: 'map0' is not"):
+    autotune.candidates('cpu', 10)
 
 
 def test_cache_folder_that_cannot_be_written_is_one_line(tmp_path):

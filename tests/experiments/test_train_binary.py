@@ -142,7 +142,7 @@ def test_a_second_run_loads_its_round_from_the_caches(tmp_path):
   strategy='auto' and compiles; a second run of the same config reads the choice and loads its
   round step from the persistent compilation cache; damaged cache entries only cost a compile."""
   cache = tmp_path / 'cache'
-  env = dict(_env(), FEDJAX_SSL_CACHE_DIR=str(cache), FEDJAX_SSL_AUTOTUNE='1')
+  env = dict(_env(), FEDJAX_SSL_CACHE_DIR=str(cache), FEDJAX_SSL_AUTOTUNE='map1,vmap')
   cmd = lambda w: _cmd(tmp_path / w) + ['--config.rounds=2']  # noqa: E731
   results = {}
   for name in ('first', 'second'):
@@ -166,6 +166,16 @@ def test_a_second_run_loads_its_round_from_the_caches(tmp_path):
   assert 'Traceback' not in out.stderr
   third = json.loads((tmp_path / 'third' / 'results.json').read_text())
   assert third['first_round']['persistent_cache_hits'] == 0 and third['final'] == first['final']
+
+
+def test_a_bad_strategy_candidate_list_is_one_error_line(tmp_path):
+  out = subprocess.run(_cmd(tmp_path / 'w'), cwd=REPO, env=dict(_env(), FEDJAX_SSL_AUTOTUNE='map0'),
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and out.stdout == ''
+  assert out.stderr.strip().splitlines() == [
+      "error: FEDJAX_SSL_AUTOTUNE = 'map0' is invalid: 'map0' is not 'vmap' or 'map<chunk>' with a "
+      "chunk >= 1 (e.g. 'map1,vmap,map4'), nor 0 / 1"], out.stderr[-2000:]
+  assert not (tmp_path / 'w').exists()
 
 
 @pytest.mark.parametrize('override, message', [
@@ -379,6 +389,27 @@ def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp
   got, took = train.raw_pixel_reference(config, dataset, None, reuse=True, shared_dir=shared)
   assert got == first and 'references' in took and calls == [0, 1, 0, 0]
   assert len(list(shared.iterdir())) == 4
+
+
+def test_runs_share_the_random_init_evaluation_and_skip_raw_pixels_on_synthetic(tmp_path, capfd):
+  """Through the cache folder's references/: a second run of the same initialisation on the same
+  data (another workdir, another number of rounds) reads the first one's random-init evaluation;
+  on the synthetic set the raw-pixel row is skipped in one line."""
+  from experiments import train  # pylint: disable=g-import-not-at-top
+  config = _tiny_config(dataset='synthetic', train_size=120, probe='logistic',
+                        label_fractions=(1.0,), label_draws=1, knn_k=10, knn_k_small=0)
+  cache = tmp_path / 'cache'
+  first = train.train_and_evaluate(config, str(tmp_path / 'a'), cache_dir=cache)
+  out = capfd.readouterr().out
+  assert 'raw pixels (reference): skipped on the synthetic set' in out
+  assert 'raw_pixels' not in first and not (tmp_path / 'a' / 'raw_pixels.json').exists()
+  (shared,) = (cache / 'references').iterdir()
+  assert shared.name.startswith('random_init-')
+  config.rounds = config.rounds + 1
+  second = train.train_and_evaluate(config, str(tmp_path / 'b'), cache_dir=cache)
+  capfd.readouterr()
+  assert second['random_init'] == first['random_init']
+  assert f'(from {shared})' in (tmp_path / 'b' / 'train.log').read_text()
 
 
 def test_reference_evaluations_are_what_a_run_records_at_round_0(tmp_path):
