@@ -116,7 +116,8 @@ from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import models  # noqa: E402
 from fedjax_ssl.algorithms import fedavg, ssl_client  # noqa: E402
 from fedjax_ssl.core.algorithm import restore_client  # noqa: E402
-from fedjax_ssl.core import baselines, compilation, rng, strategies  # noqa: E402
+from experiments import baselines  # noqa: E402
+from fedjax_ssl.core import compilation, rng, strategies  # noqa: E402
 from fedjax_ssl.data import augment, partition  # noqa: E402
 from fedjax_ssl.data.types import DataInfo  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402

@@ -30,7 +30,6 @@ from the cell's config, keeps them where they reproduce the stored means (within
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import re
 import shlex
@@ -53,7 +52,7 @@ import jax  # noqa: E402
 import tqdm  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import experiment  # noqa: E402
+from fedjax_ssl import experiment, files  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
@@ -136,9 +135,8 @@ def split_overrides(argv):
 def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
   workdir.mkdir(parents=True, exist_ok=True)
   text = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
-  tmp = workdir / 'error.json.tmp'
-  tmp.write_text(json.dumps({'error': text, 'traceback': traceback.format_exc()}, indent=2))
-  tmp.replace(workdir / 'error.json')
+  files.write_json(workdir / 'error.json', {'error': text, 'traceback': traceback.format_exc()},
+                   sort_keys=False)
 
 
 # Under OUT, when the binaries' cache folder is off ($FEDJAX_SSL_CACHE_DIR=''): the reference rows

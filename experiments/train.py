@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -71,7 +70,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from fedjax_ssl import (checkpoint, configuration, experiment, logging_utils, plotting,  # noqa: E402
+from fedjax_ssl import (checkpoint, configuration, experiment, files, logging_utils, plotting,  # noqa: E402
                         run_guard)
 from fedjax_ssl.data.info import DatasetInfo  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
@@ -102,14 +101,6 @@ flags.mark_flags_as_required(['config', 'workdir'])
 LOG_FILE = 'train.log'
 STRATEGY_FILE = 'strategy.json'  # the strategy the run resolved (autotune.Choice), for its resumes
 REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
-
-
-def _write_json(path: pathlib.Path, obj) -> None:
-  """Atomic JSON write (temporary file + rename)."""
-  # The pid keeps two processes writing one shared file (OUT/references) off each other's tmp.
-  tmp = path.with_suffix(f'{path.suffix}.{os.getpid()}.tmp')
-  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-  os.replace(tmp, path)
 
 
 def _stored_strategy(workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, chunk: int
@@ -308,7 +299,7 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
         lambda: experiment.evaluation_key(config, algo, initial, dataset),
         lambda: experiment.evaluate(config, algo, initial, dataset))
     if primary:
-      _write_json(random_init_path, random_init)
+      files.write_json(random_init_path, random_init)
   width = len(str(config.rounds))
   say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
       f'{_metrics_text(_scalars(random_init))}  {took}')
@@ -326,14 +317,14 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
-    _write_json(workdir / 'config.json', config.to_dict())
-    _write_json(workdir / STRATEGY_FILE, choice.to_json())
+    files.write_json(workdir / 'config.json', config.to_dict())
+    files.write_json(workdir / STRATEGY_FILE, choice.to_json())
     run_guard.clear_config_changes(workdir)
   elif primary:
     writer.truncate_after(start)  # rows past the restored round are dropped before any append
     if changes:  # --allow_config_change: the run goes on under the new values from here
       run_guard.record_config_changes(workdir, start, changes)
-      _write_json(workdir / 'config.json', config.to_dict())
+      files.write_json(workdir / 'config.json', config.to_dict())
       say(f'config changed at round {start}: {run_guard.format_changes(changes)}')
   history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
   param_names, params_finite = run_guard.make_finite_check(state.server)
@@ -416,7 +407,7 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   results['strategy'] = choice.to_json()
   if compile_times is not None:
     results['first_round'] = compile_times.to_json()
-  _write_json(workdir / 'results.json', results)
+  files.write_json(workdir / 'results.json', results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
   plotting.plot_metrics(
@@ -469,7 +460,7 @@ def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
   metrics = compute()
   if primary and shared is not None:
     shared.parent.mkdir(parents=True, exist_ok=True)
-    _write_json(shared, metrics)
+    files.write_json(shared, metrics)
   return metrics, f'({time.time() - t0:.1f}s)'
 
 
@@ -493,7 +484,7 @@ def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse:
                                     lambda: experiment.raw_pixel_key(config, dataset),
                                     lambda: experiment.raw_pixel_metrics(config, dataset))
   if primary and raw_path is not None:
-    _write_json(raw_path, metrics)
+    files.write_json(raw_path, metrics)
   return metrics, took
 
 
@@ -568,7 +559,7 @@ def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, r
   writer.close()
   results = _results('diverged', config, algo, random_init, raw_pixels, workdir,
                      diverged=diverged.to_json())
-  _write_json(workdir / 'results.json', results)
+  files.write_json(workdir / 'results.json', results)
   return results
 
 

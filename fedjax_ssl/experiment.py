@@ -15,7 +15,7 @@ The binaries (`experiments/train.py`, `experiments/benchmark.py`, ...) and resea
   results = experiment.evaluate(config, algo, state, dataset)
 
 The configuration (`fedjax_ssl.configuration`) and the evaluation of a federated state
-(`fedjax_ssl.eval.federated`) live in their own modules; the names above are re-exported here so that
+(`fedjax_ssl.evaluation`) live in their own modules; the names above are re-exported here so that
 one module carries a run from start to end.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedjax_ssl import algorithms
+from fedjax_ssl import algorithms, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.configuration import (default_config, load_run_config, round_config,  # noqa: F401
                                       validate_config)
@@ -36,7 +36,7 @@ from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
-from fedjax_ssl.eval.federated import (encoder_features, evaluate, evaluation_key,  # noqa: F401
+from fedjax_ssl.evaluation import (encoder_features, evaluate, evaluation_key,  # noqa: F401
                                        raw_pixel_key, raw_pixel_metrics)
 
 
@@ -87,22 +87,11 @@ def run_plan(config: ml_collections.ConfigDict, dataset: Dataset,
   return algorithms.registry.plan(config, DataInfo.of(dataset, client_sizes))
 
 
-# Config keys that do not shape the compiled round (evaluation, bookkeeping, values that enter the
-# program as numbers of the same shape): left out of the strategy cache's key, so that seeds,
-# learning rates and evaluation settings of one program share a measurement. Any other key is in.
-_NOT_PROGRAM_KEYS = ('seed', 'rounds', 'lr', 'eval_every', 'checkpoint_every', 'data_dir',
-                     'strategy', 'map_chunk_size', 'knn_k', 'knn_temperature', 'knn_k_small',
-                     'label_fractions', 'label_draws')
-_NOT_PROGRAM_PREFIXES = ('probe', 'finetune')
-
-
 def strategy_program(config: ml_collections.ConfigDict, fed_data: FedData) -> dict:
   """What identifies a run's round program for `strategy='auto'` (autotune.program_description):
   every config key that shapes the round, the data's shapes, the backend and device."""
-  keys = {k: v for k, v in config.to_dict().items()
-          if k not in _NOT_PROGRAM_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
   return autotune.program_description(
-      config=keys, data={'x': list(fed_data.x.shape), 'n_max': int(fed_data.n_max)})
+      config=run_identity.program_keys(config), data={'x': list(fed_data.x.shape), 'n_max': int(fed_data.n_max)})
 
 
 def choose_strategy(config: ml_collections.ConfigDict, algo: Algorithm, fed_data: FedData,

@@ -19,7 +19,6 @@ import logging
 import numbers
 import os
 import sys
-import tempfile
 import time
 from typing import Any, List, Mapping, Optional
 
@@ -27,6 +26,8 @@ from absl import flags
 from absl import logging as absl_logging
 import numpy as np
 import tqdm
+
+from fedjax_ssl import files
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = 'metrics.jsonl'
@@ -96,22 +97,6 @@ def read_metrics(path: str) -> list[dict]:
   return records
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-  """Writes ``text`` to ``path`` via a temporary file + os.replace (atomic on POSIX)."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
-  try:
-    with os.fdopen(fd, 'w', encoding='utf-8') as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 class MetricsWriter:
   """Appends per-round scalar metrics to ``metrics.jsonl`` and TensorBoard."""
 
@@ -168,7 +153,7 @@ class MetricsWriter:
     """
     if os.path.exists(self.jsonl_path):
       kept = [r for r in read_metrics(self.jsonl_path) if r['round'] <= round_idx]
-      _atomic_write_text(self.jsonl_path, ''.join(json.dumps(r) + '\n' for r in kept))
+      files.write_text(self.jsonl_path, ''.join(json.dumps(r) + '\n' for r in kept))
     if self._tb is not None:
       self._tb.close()
       self._tb = None

@@ -22,6 +22,7 @@ import csv
 import dataclasses
 import fnmatch
 import importlib.util
+import io
 import json
 import math
 import pathlib
@@ -33,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import algorithms, experiment, plotting
+from fedjax_ssl import experiment, files, plotting, run_identity
 
 SCALES = ('quick', 'evidence', 'paper')
 # A table file lists the scales it defines in its own SCALES (these two when it does not).
@@ -260,34 +261,13 @@ def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collection
   return config
 
 
-# Keys a config ignores given its other values: left out of the key that decides whether two cells
-# share a run (centralized training under the IID and the Dirichlet column is the same run). The
-# config blocks of the algorithms not configured are left out too.
-_UNUSED_WHEN = {
-    'alpha': lambda c: c.partition != 'dirichlet',
-    'classes_per_client': lambda c: c.partition != 'classes',
-    'sc_mu': lambda c: c.ssl_method != 'sc',
-}
-
-
-def run_key(config: ml_collections.ConfigDict) -> str:
-  """Canonical JSON of the keys the run depends on."""
-  d = config.to_dict()
-  for key, unused in _UNUSED_WHEN.items():
-    if key in d and unused(config):
-      del d[key]
-  for name in algorithms.names():
-    if name != config.algorithm:
-      d.pop(name, None)
-  return json.dumps(d, sort_keys=True, default=str)
-
-
 def _saved_config_matches(run: 'RunSpec', workdir: pathlib.Path) -> bool:
   """Whether the workdir's config.json (written by the training binary) is the run's config."""
   if not (workdir / 'config.json').exists():
     return False
   # Over today's defaults: a key added to the library since the run (at its default) is no change.
-  return run_key(experiment.load_run_config(workdir)) == run_key(run.config)
+  return run_identity.run_key(experiment.load_run_config(workdir)) == run_identity.run_key(
+      run.config)
 
 
 @dataclasses.dataclass
@@ -331,7 +311,7 @@ def plan_runs(table: Table, seeds: Sequence[int], only: Sequence[str] = ()) -> L
       try:
         config = cell_config(table, row, column, seed)
         experiment.validate_config(config)
-        key = (run_key(config), seed)
+        key = (run_identity.run_key(config), seed)
         error = None
       except cv.ConfigError as e:
         config, error = None, str(e)
@@ -544,17 +524,16 @@ _LIST_FIELDS = ('seeds', 'values', 'random_init_values', 'raw_pixels_values', 'e
 
 
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
-  tmp = path.with_suffix('.csv.tmp')
-  with open(tmp, 'w', newline='') as f:
-    w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-    w.writeheader()
-    for e in summary:
-      w.writerow({**{k: e[k] for k in CSV_FIELDS if k not in _LIST_FIELDS},
-                  'seeds': ' '.join(str(s) for s in e['seeds']),
-                  **{k: ' '.join(f'{v:.4f}' for v in e[k])
-                     for k in ('values', 'random_init_values', 'raw_pixels_values')},
-                  'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged'])})
-  tmp.replace(path)
+  f = io.StringIO(newline='')
+  w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+  w.writeheader()
+  for e in summary:
+    w.writerow({**{k: e[k] for k in CSV_FIELDS if k not in _LIST_FIELDS},
+                'seeds': ' '.join(str(s) for s in e['seeds']),
+                **{k: ' '.join(f'{v:.4f}' for v in e[k])
+                   for k in ('values', 'random_init_values', 'raw_pixels_values')},
+                'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged'])})
+  files.write_text(path, f.getvalue())
 
 
 def read_csv(path: pathlib.Path) -> List[Dict[str, Any]]:
@@ -891,7 +870,5 @@ def write_outputs(table: Table, summary: Sequence[Dict[str, Any]], out: pathlib.
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   write_csv(summary, out / 'table.csv')
-  md = out / 'table.md.tmp'
-  md.write_text(markdown(table, summary, seeds, command))
-  md.replace(out / 'table.md')
+  files.write_text(out / 'table.md', markdown(table, summary, seeds, command))
   plot(table, summary, out / 'table.png')

@@ -36,18 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from fedjax_ssl import checkpoint, configuration, reproduce
+from fedjax_ssl import checkpoint, configuration, files, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import strategies
 
 EXIT_REFUSED = 1  # config_validation.run's status for a ConfigError, which RunStateError is
 EXIT_DIVERGED = 3
 
-# Keys that cannot change what a run computes (only how often it logs, evaluates on the side or
-# saves): a resume may change them freely. Every other key the run depends on must match its stored
-# config.json (the keys a config ignores, such as `alpha` without the Dirichlet partition or another
-# algorithm's block, never count: `reproduce.run_key` leaves them out).
-NEUTRAL_KEYS = ('checkpoint_every', 'eval_every')
+# Keys a resume may change freely (run_identity.NEUTRAL_KEYS); every other key the run depends on
+# must match its stored config.json (the keys a config ignores never count: `run_identity.run_key`).
+NEUTRAL_KEYS = run_identity.NEUTRAL_KEYS
 
 CONFIG_CHANGES_FILE = 'config_changes.json'
 _log = logging.getLogger('fedjax_ssl')
@@ -206,10 +204,10 @@ def stored_config(workdir: pathlib.Path):
 def config_changes(stored, current) -> Dict[str, Tuple[Any, Any]]:
   """{key: (stored value, current value)} over the keys a run depends on, `NEUTRAL_KEYS` left out.
 
-  Both are ConfigDicts; `reproduce.run_key` decides which keys a run depends on (it leaves out the
+  Both are ConfigDicts; `run_identity.run_key` decides which keys a run depends on (it leaves out the
   keys the config ignores and the blocks of the algorithms not configured). Values are compared as
   JSON (a tuple equals the list config.json stores)."""
-  old, new = (_flat(json.loads(reproduce.run_key(c))) for c in (stored, current))
+  old, new = (_flat(json.loads(run_identity.run_key(c))) for c in (stored, current))
   return {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in sorted(old.keys() | new.keys())
           if k not in NEUTRAL_KEYS and old.get(k, _ABSENT) != new.get(k, _ABSENT)}
 
@@ -239,7 +237,7 @@ def record_config_changes(workdir: pathlib.Path, round_idx: int,
   history = json.loads(path.read_text()) if path.exists() else []
   history.append({'round': int(round_idx),
                   'changes': {k: [old, new] for k, (old, new) in changes.items()}})
-  _write_json(path, history)
+  files.write_json(path, history)
   return history
 
 
@@ -253,12 +251,6 @@ def clear_config_changes(workdir: pathlib.Path) -> None:
   """Forgets the recorded changes (a run that starts over from round 0 has none)."""
   (workdir / CONFIG_CHANGES_FILE).unlink(missing_ok=True)
 
-
-def _write_json(path: pathlib.Path, obj) -> None:
-  """Atomic JSON write (temporary file + rename)."""
-  tmp = path.with_suffix(path.suffix + '.tmp')
-  tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-  os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def _cfg(**overrides):
   config = experiment.default_config()
   config.dataset = 'synthetic'  # 2,000 train / 500 test images, 32x32x3, 10 classes; no files
   # The Adam probe: these tests shrink train_size below what 1% labels need (the label-fraction
-  # checks of the default 'logistic' probe are tested in tests/eval/test_federated.py).
+  # checks of the default 'logistic' probe are tested in tests/test_evaluation.py).
   config.probe = 'adam'
   config.update(overrides)
   return config

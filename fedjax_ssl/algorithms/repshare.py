@@ -40,7 +40,6 @@ from fedjax_ssl.core.algorithm import Algorithm, LocalData, Prepare
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import DataInfo
-from fedjax_ssl.eval import features
 from fedjax_ssl.models import layers
 from fedjax_ssl.ops import prototypes
 from fedjax_ssl.ssl import losses
@@ -95,8 +94,8 @@ def eval_outputs(spec: ssl_client.ClientSpec, variables, x_uint8: jax.Array, chu
   def one(xc):
     # In the parameters' precision (float64 under x64), as the training step's inputs.
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    x = features.normalize_images(xc, jnp.asarray(spec.mean, dtype), jnp.asarray(spec.std, dtype),
-                                  dtype)
+    x = augment.normalize_images(xc, jnp.asarray(spec.mean, dtype), jnp.asarray(spec.std, dtype),
+                                 dtype)
     s = spec.model.encoder.apply(_encoder_vars(params, bs), x, train=False)
     return s if kind == 'features' else head_apply(params, s)
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 
+from fedjax_ssl import files
 from fedjax_ssl.core import compilation, strategies
 
 ENV_VAR = 'FEDJAX_SSL_AUTOTUNE'
@@ -183,10 +184,8 @@ class StrategyCache:
     data = self._read()
     data[key] = {'version': VERSION, 'choice': choice.to_json(), 'program': description,
                  'measured_at': time.strftime('%Y-%m-%dT%H:%M:%S')}
-    tmp = self.path.with_suffix(f'.{os.getpid()}.tmp')
     self.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, self.path)
+    files.write_json(self.path, data, indent=1)
 
 
 def measure(make_step: Callable[[str, int], Callable], fresh_state: Callable[[], Any],

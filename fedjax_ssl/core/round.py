@@ -1,7 +1,8 @@
 """The generic round step: sample participants, broadcast, train locally, upload, aggregate, scatter.
 
 `make_round_step` returns ONE jitted pure function `round_step(state, fed_data, key)` with the state
-donated. `core/baselines.py` runs the same round as Python loops over clients, for the benchmark.
+donated. `experiments/baselines.py` runs the same round as Python loops over clients, for the
+benchmark.
 """
 from __future__ import annotations
 

@@ -166,6 +166,14 @@ def to_float(x):
   return jnp.asarray(_UINT8_TO_FLOAT)[jnp.asarray(x).astype(jnp.int32)]
 
 
+def normalize_images(images_uint8: jax.Array, mean: jax.Array, std: jax.Array,
+                     dtype=jnp.float32) -> jax.Array:
+  """(x / 255 - mean) / std per channel; uint8 [..., C] -> dtype (float32) [..., C]: the input
+  of evaluation's forwards and of representation sharing's uploads (no augmentation)."""
+  x = images_uint8.astype(dtype) / 255.0
+  return (x - mean) / std
+
+
 def normalize(x, mean: Sequence[float], std: Sequence[float]):
   """Per-channel (x - mean) / std for float x [..., C]; mean and std have length C, std > 0."""
   num_channels = x.shape[-1]

@@ -14,16 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_ssl.data.augment import normalize_images  # noqa: F401 (eval's name for it too)
 from fedjax_ssl.models import layers
 
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
-
-
-def normalize_images(images_uint8: jax.Array, mean: jax.Array, std: jax.Array,
-                     dtype=jnp.float32) -> jax.Array:
-  """(x / 255 - mean) / std per channel; uint8 [..., C] -> dtype (float32) [..., C]."""
-  x = images_uint8.astype(dtype) / 255.0
-  return (x - mean) / std
 
 
 # Both forwards are traced inside `layers.inference_convs()`: these programs are never

@@ -12,7 +12,7 @@ arguments of `semi_supervised_finetune`):
 
 Both: the encoder runs in train mode (BatchNorm batch statistics, running averages updated), constant
 learning rates, no weight decay; test accuracy on the full test set, encoder in eval mode. The
-labelled subset is the caller's (`eval/federated.py` draws a stratified one with
+labelled subset is the caller's (`fedjax_ssl/evaluation.py` draws a stratified one with
 `protocol.stratified_subset`; docs/notes/evaluation.md#eval-11).
 
 The encoder is a Flax module called as `encoder.apply(variables, x, train=...)` on float32 [B, H, W, C]

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_ssl.ops.numerics import as_float, check_positive
-from fedjax_ssl.ssl.losses import l2_normalize
+from fedjax_ssl.ops.numerics import l2_normalize
 
 
 def _check_pair(name: str, z0: jax.Array, z1: jax.Array) -> None:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_ssl.ops.numerics import as_float
-from fedjax_ssl.ssl.losses import l2_normalize
+from fedjax_ssl.ops.numerics import l2_normalize
 
 # The release's constants (models.py): Sinkhorn's multiplier `lamd`, its iteration caps (global
 # clustering 100, local clustering 10), its stopping rule (|c / c_new - 1| summed < 1e-2, checked

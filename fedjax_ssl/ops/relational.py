@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedjax_ssl.ssl.losses import l2_normalize
+from fedjax_ssl.ops.numerics import l2_normalize
 
 
 def relation_logits(x: jax.Array, anchors: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ from typing import Dict, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from fedjax_ssl.ssl.losses import l2_normalize
+from fedjax_ssl.ops.numerics import l2_normalize
 
 COSTS = ('l2', 'sq', 'sq_max')   # ||z - s||, ||z - s||^2, ||z - s||^2 / max_ij ||z - s||^2
 FUR_KINDS = ('uot', 'swd')

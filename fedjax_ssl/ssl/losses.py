@@ -22,34 +22,13 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_ssl.ops.correlation import norm_clip
-from fedjax_ssl.ops.numerics import as_float, check_positive
-
-# F.normalize's default: the norm is clamped from below at eps, so an all-zero row maps to zero (no NaN).
-_NORM_EPS = 1e-12
-
+from fedjax_ssl.ops.numerics import as_float, check_positive, l2_normalize  # noqa: F401 (public here too)
 
 def _check_same_2d(names: Tuple[str, ...], *arrays: jax.Array) -> None:
   shapes = [jnp.shape(a) for a in arrays]
   if any(len(s) != 2 for s in shapes) or len(set(shapes)) != 1:
     desc = ', '.join(f'{n}={s}' for n, s in zip(names, shapes))
     raise ValueError(f'expected equal 2-D shapes [B, d]; got {desc}')
-
-
-def _safe_sq_norm(x: jax.Array) -> jax.Array:
-  """Row-wise squared L2 norm clamped at eps², [B, 1]; the clamp keeps gradients finite at x = 0."""
-  return jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), _NORM_EPS ** 2)
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-  """Row-wise L2 normalisation x / max(||x||, 1e-12) (torch `F.normalize(x, dim=-1)`).
-
-  Args:
-    x: float [..., d].
-  Returns:
-    float [..., d] with unit-norm rows (zero rows stay zero).
-  """
-  x = as_float(x)
-  return x * jax.lax.rsqrt(_safe_sq_norm(x))
 
 
 def _cosine(a: jax.Array, b: jax.Array) -> jax.Array:

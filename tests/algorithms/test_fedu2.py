@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment, models, reproduce
+from fedjax_ssl import experiment, models, reproduce, run_identity
 from fedjax_ssl.algorithms import fedu2, ssl_client
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
@@ -174,4 +174,4 @@ def test_tables_override_sub_config_keys_with_dots():
   # fedu2 keys do not split the runs of other algorithms.
   a, b = experiment.default_config(), experiment.default_config()
   b.fedu2.lambda_u = 0.5
-  assert reproduce.run_key(a) == reproduce.run_key(b)
+  assert run_identity.run_key(a) == run_identity.run_key(b)

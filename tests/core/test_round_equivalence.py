@@ -21,7 +21,8 @@ import pytest
 from fedjax_ssl import models
 from fedjax_ssl.algorithms import (fedavg, feddecorr, fedema, fedsc, fedu, fedu2, fedx, independent,
                                    ldawa, ssl_client)
-from fedjax_ssl.core import baselines, optim, rng
+from experiments import baselines
+from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import FedData

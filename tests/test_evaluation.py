@@ -9,7 +9,8 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.eval import federated, finetune, protocol
+from fedjax_ssl import evaluation
+from fedjax_ssl.eval import finetune, protocol
 
 
 def _config(**overrides):
@@ -35,7 +36,7 @@ def test_logistic_probe_passes_the_encoder_features_and_the_settings_to_the_prot
                   np.asarray(test_y), num_classes, kw))
     return {'probe_acc': 0.5, 'knn_acc': 0.25}
 
-  monkeypatch.setattr(federated.fs_protocol, 'evaluate_features', recorder)
+  monkeypatch.setattr(evaluation.fs_protocol, 'evaluate_features', recorder)
   assert experiment.evaluate(config, algo, state, dataset) == {'probe_acc': 0.5, 'knn_acc': 0.25}
   variables, _ = algo.eval_variables(state)
   feats = lambda x: np.asarray(experiment.encoder_features(algo, variables, False, x, dataset))
@@ -136,12 +137,12 @@ def test_evaluate_fine_tunes_every_encoder_on_the_same_stratified_subsets(monkey
     assert all(0.0 <= got[k] <= 1.0 for k in ('ft_acc_1pct', 'ft_acc_10pct'))
   assert len(calls) == 4   # (1%, 10%) per encoder
   for fraction, (x, y, kw) in zip((0.01, 0.1, 0.01, 0.1), calls):
-    idx = federated.finetune_subset(config, dataset, fraction)
+    idx = evaluation.finetune_subset(config, dataset, fraction)
     np.testing.assert_array_equal(x, dataset.train_x[idx])
     counts = np.bincount(y, minlength=10)   # stratified: every class, in proportion
     np.testing.assert_array_equal(counts, protocol.subset_counts(dataset.train_y, 10, fraction))
     assert counts.min() >= 1 and counts.sum() == round(1000 * fraction)
-    assert kw['augment_fn'] is federated.finetune_augment_fn('fedu2_finetune', dataset)
+    assert kw['augment_fn'] is evaluation.finetune_augment_fn('fedu2_finetune', dataset)
     assert {k: kw[k] for k in ('epochs', 'eval_epochs', 'batch_size', 'lr', 'head_lr', 'momentum',
                                'nesterov', 'seed')} == dict(
         epochs=2, eval_epochs=(1, 2), batch_size=128, lr=1e-3, head_lr=0.3, momentum=0.9,

@@ -1,5 +1,7 @@
 """Evaluation of a federated state: the global encoder, or every client's personal encoder (the
-client mean, and each cohort's mean when a federation mixes architectures)."""
+client mean, and each cohort's mean when a federation mixes architectures). It reads the
+algorithms' state layouts, so it sits beside the runner, above `algorithms/` and `eval/` (whose
+primitives, features, probes, kNN and fine-tuning, know nothing of federations)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,0 +1,54 @@
+"""Which config keys make a run what it is: the one home of run identity.
+
+  * `run_key(config)`: the canonical JSON of the keys a run depends on. Two configs with equal keys
+    are the same run: `reproduce` gives the cells that share one a single run, and `run_guard`
+    refuses a resume whose key differs from the stored config's (less `NEUTRAL_KEYS`).
+  * `NEUTRAL_KEYS`: keys that cannot change what a run computes (only how often it logs, evaluates
+    on the side or saves): a resume may change them freely.
+  * `program_keys(config)`: the config values that shape a round's compiled program, the key of the
+    strategy 'auto' measured (`core/autotune.py`): evaluation, bookkeeping and values that enter the
+    program as numbers of the same shape (seed, lr, rounds) are left out, so that the seeds and
+    learning rates of one program share one measurement.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict
+
+import ml_collections
+
+from fedjax_ssl import algorithms
+
+NEUTRAL_KEYS = ('checkpoint_every', 'eval_every')
+
+# Keys a config ignores given its other values: left out of `run_key` (centralized training under
+# the IID and the Dirichlet column is the same run). The config blocks of the algorithms not
+# configured are left out too.
+UNUSED_WHEN = {
+    'alpha': lambda c: c.partition != 'dirichlet',
+    'classes_per_client': lambda c: c.partition != 'classes',
+    'sc_mu': lambda c: c.ssl_method != 'sc',
+}
+
+_NOT_PROGRAM_KEYS = ('seed', 'rounds', 'lr', 'eval_every', 'checkpoint_every', 'data_dir',
+                     'strategy', 'map_chunk_size', 'knn_k', 'knn_temperature', 'knn_k_small',
+                     'label_fractions', 'label_draws')
+_NOT_PROGRAM_PREFIXES = ('probe', 'finetune')
+
+
+def run_key(config: ml_collections.ConfigDict) -> str:
+  """Canonical JSON of the keys the run depends on (module docstring)."""
+  d = config.to_dict()
+  for key, unused in UNUSED_WHEN.items():
+    if key in d and unused(config):
+      del d[key]
+  for name in algorithms.names():
+    if name != config.algorithm:
+      d.pop(name, None)
+  return json.dumps(d, sort_keys=True, default=str)
+
+
+def program_keys(config: ml_collections.ConfigDict) -> Dict[str, Any]:
+  """The config values that shape the round's compiled program (module docstring)."""
+  return {k: v for k, v in config.to_dict().items()
+          if k not in _NOT_PROGRAM_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
