@@ -4,7 +4,7 @@ r"""Reproduce a results table: every cell x seed through the training binary's c
       [--seeds 0,1,2] [--scale quick|evidence|paper] [--only CELL_PATTERN ...]
       [--recompute_references]
 
-Each distinct (config, seed) is one run of `experiments.train.train_and_evaluate` in
+Each distinct (config, seed) is one run of `fedjax_ssl.training.train_and_evaluate` in
 DIR/runs/<cell>/seed<k> (its checkpoints, metrics, plot and results.json). Rerunning the same command
 finishes only what is missing: runs with a results.json are read, not re-run; a killed run resumes
 from its last checkpoint. A failing run writes error.json (its traceback) and the grid goes on; a
@@ -13,7 +13,7 @@ file changed) is reported, never overwritten. Compiled programs and the strategi
 are cached in the binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl;
 fedjax_ssl/core/compilation.py), so seeds after the first skip most compilation. The raw-pixel
 reference row is evaluated once per seed and shared by the runs that read the same pixels (CACHE_DIR/references, keyed by a
-digest of the data and the protocol's settings; `train.raw_pixel_reference`), and so is the
+digest of the data and the protocol's settings; `training.raw_pixel_reference`), and so is the
 random-init evaluation of equal variables on equal data. After every run DIR/table.csv,
 DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number)
 from every run of the table under DIR, whichever cells and seeds this invocation ran; cells with no
@@ -52,7 +52,7 @@ import jax  # noqa: E402
 import tqdm  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import experiment, files  # noqa: E402
+from fedjax_ssl import experiment, files, training  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
@@ -140,15 +140,14 @@ def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
 
 
 # Under OUT, when the binaries' cache folder is off ($FEDJAX_SSL_CACHE_DIR=''): the reference rows
-# shared by the runs that read the same pixels (else CACHE_DIR/references, train.REFERENCES).
+# shared by the runs that read the same pixels (else CACHE_DIR/references, training.REFERENCES).
 REFERENCES = 'references'
 
 
 def _reference_cache(out: pathlib.Path) -> str:
   """The folder where the table's runs share their reference evaluations."""
-  from experiments import train  # pylint: disable=g-import-not-at-top
   cache_dir = compilation.resolve_cache_dir(None)
-  return str(cache_dir / train.REFERENCES if cache_dir is not None else out / REFERENCES)
+  return str(cache_dir / training.REFERENCES if cache_dir is not None else out / REFERENCES)
 
 
 def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
@@ -156,7 +155,6 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
   """Runs what is missing of the table and writes its outputs; returns the summary rows.
   `overrides` (config key -> value) apply to every cell (`reproduce.with_overrides`)."""
   # Imported here, after flag parsing: the training binary's module defines its own required flags.
-  from experiments import train  # pylint: disable=g-import-not-at-top
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   # Library INFO chatter of the planning phase (the jax backend's start, validation) goes to a file;
@@ -193,7 +191,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     workdir = run.workdir(out)
     (workdir / 'error.json').unlink(missing_ok=True)
     try:
-      train.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
+      training.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
                                reference_cache=_reference_cache(out), cache_dir=cache_dir)
     except Exception as e:  # pylint: disable=broad-except
       # Recorded in the table and retried on the next invocation; the other runs go on.
@@ -212,10 +210,9 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
   """Pairs the seeds of the cells table.csv carries without per-seed references (a csv written
   before those columns existed) with their references, and rewrites the table; returns the
   summary rows. Each (cell, seed) gets the random-init and raw-pixel evaluations its run recorded
-  at round 0 (`train.reference_evaluations`: the cell's config at that seed, nothing trained);
+  at round 0 (`training.reference_evaluations`: the cell's config at that seed, nothing trained);
   `reproduce.fill_references` takes them only where they reproduce the stored means, and the
   cells it leaves unpaired are printed with their gaps."""
-  from experiments import train  # pylint: disable=g-import-not-at-top
   out = pathlib.Path(out)
   if not (out / 'table.csv').exists():
     raise cv.ConfigError(f'--recompute_references: {out / "table.csv"} does not exist (nothing '
@@ -238,7 +235,7 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
       run = runs[(cell, seed)]
       if run.config is None:
         raise cv.ConfigError(f'cell {cell!r} at seed {seed}: {run.config_error}')
-      references[(cell, seed)] = train.reference_evaluations(run.config, _reference_cache(out),
+      references[(cell, seed)] = training.reference_evaluations(run.config, _reference_cache(out),
                                                              memo)
     problems = reproduce.fill_references(summary, references)
     shown_seeds = sorted({s for e in summary for s in e['seeds']})

@@ -8,7 +8,7 @@ turns it into runs, one workdir per distinct config and seed, and this module tu
 
   table = reproduce.load_table('configs/fedssl/fmnist.py', 'quick')
   runs = reproduce.plan_runs(table, seeds=(0, 1, 2))      # every config validated, nothing computed
-  ... run each RunSpec through experiments.train.train_and_evaluate(run.config, run.workdir(out))
+  ... run each RunSpec through fedjax_ssl.training.train_and_evaluate(run.config, run.workdir(out))
   summary = reproduce.summarize(table, runs, out)
   reproduce.write_outputs(table, summary, out, seeds)
   reproduce.plot_curves(table, reproduce.curves(table, runs, out), out / 'curves.png')

@@ -29,7 +29,7 @@ def _tiny_config(**overrides):
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp('run')
   train.train_and_evaluate(_tiny_config(), str(workdir), verbose=False)
   return workdir

@@ -52,7 +52,7 @@ def _read_csv(path):
 @pytest.mark.slow
 def test_reproduce_writes_outputs_records_failures_and_reruns_only_missing(tmp_path, monkeypatch):
   from experiments import reproduce as binary
-  from experiments import train
+  from fedjax_ssl import training as train
 
   table_file = tmp_path / 'tiny.py'
   table_file.write_text(TABLE)

@@ -221,7 +221,7 @@ def _tiny_config(**overrides):
 
 
 def test_config_error_in_process_loads_no_data(tmp_path, monkeypatch):
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   def fail(*args, **kwargs):
     raise AssertionError('data loaded before the config was validated')
   monkeypatch.setattr(experiment, 'load_data', fail)
@@ -292,7 +292,7 @@ def absl_app_logging():
 @pytest.mark.slow
 def test_runs_in_one_process_print_only_their_bar_and_keep_their_own_logs(tmp_path, capfd,
                                                                           absl_app_logging):
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   root = logging.getLogger()
   handlers = list(root.handlers)
   for run in ('a', 'b'):
@@ -333,7 +333,7 @@ def test_evaluate_reports_the_standardised_probe_when_asked():
 
 
 def test_best_over_rounds_skips_the_random_init_row_and_takes_the_first_best():
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   records = [{'round': 0, 'knn_acc': 0.9}, {'round': 1, 'loss': 2.0},
              {'round': 5, 'knn_acc': 0.61}, {'round': 10, 'knn_acc': 0.64},
              {'round': 15, 'knn_acc': 0.64}, {'round': 20, 'knn_acc': 0.62}]
@@ -344,7 +344,7 @@ def test_best_over_rounds_skips_the_random_init_row_and_takes_the_first_best():
 
 def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp_path,
                                                                               monkeypatch):
-  from experiments import train
+  from fedjax_ssl import training as train
   config = experiment.default_config()
   config.update(dict(dataset='fashion_mnist_subset', train_size=300, probe='logistic',
                      label_fractions=(1.0, 0.1), label_draws=1, knn_k=20, knn_k_small=5))
@@ -395,7 +395,7 @@ def test_runs_share_the_random_init_evaluation_and_skip_raw_pixels_on_synthetic(
   """Through the cache folder's references/: a second run of the same initialisation on the same
   data (another workdir, another number of rounds) reads the first one's random-init evaluation;
   on the synthetic set the raw-pixel row is skipped in one line."""
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   config = _tiny_config(dataset='synthetic', train_size=120, probe='logistic',
                         label_fractions=(1.0,), label_draws=1, knn_k=10, knn_k_small=0)
   cache = tmp_path / 'cache'
@@ -413,7 +413,7 @@ def test_runs_share_the_random_init_evaluation_and_skip_raw_pixels_on_synthetic(
 
 
 def test_reference_evaluations_are_what_a_run_records_at_round_0(tmp_path):
-  from experiments import train
+  from fedjax_ssl import training as train
   config = experiment.default_config()
   config.update(dict(dataset='fashion_mnist_subset', train_size=300, num_clients=3,
                      clients_per_round=3, partition='iid', batch_size=25, local_epochs=1,

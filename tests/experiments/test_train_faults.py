@@ -52,7 +52,7 @@ def compilation_cache(tmp_path_factory):
 
 
 def _train(workdir, **kwargs):
-  from experiments import train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
   overrides = kwargs.pop('config', {})
   return train.train_and_evaluate(_config(**overrides), str(workdir), verbose=False, **kwargs)
 

@@ -1,0 +1,515 @@
+"""The training loop as library code: `train_and_evaluate(config, workdir)` runs, or resumes, one
+configured federated run in a run directory and returns its results; `experiments/train.py` is only
+its flags and process set-up. Research code calls it (or its pieces) the same way:
+
+  from fedjax_ssl import training
+  results = training.train_and_evaluate(config, '/tmp/run', cache_dir=compilation.enable_cache())
+
+What it writes into WORKDIR, what a run survives and how a resume stays exact are in the binary's
+docstring (experiments/train.py) and docs/DESIGN.md §12-13. Reference rows shared across runs
+(`raw_pixel_reference`, the random-init evaluation) go through CACHE_DIR/references, and
+`reference_evaluations` evaluates them for a config without training (experiments.reproduce).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import signal
+import time
+
+import jax
+import numpy as np
+
+from fedjax_ssl import (checkpoint, configuration, experiment, files, logging_utils, plotting,
+                        run_guard)
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.core import compilation, rng, strategies
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.data import partition
+from fedjax_ssl.data.info import DatasetInfo
+
+LOG_FILE = 'train.log'
+STRATEGY_FILE = 'strategy.json'  # the strategy the run resolved (autotune.Choice), for its resumes
+REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
+
+
+def _stored_strategy(workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, chunk: int
+                     ) -> dict | None:
+  """The strategy of the run a resume continues (WORKDIR/strategy.json), None for a fresh start.
+  A workdir with checkpoints but no record ran before strategies were measured: the static default
+  of this backend, which is what 'auto' was then."""
+  if not (ckpt.all_rounds() or ckpt.moved_aside()):
+    return None
+  path = workdir / STRATEGY_FILE
+  if path.exists():
+    try:
+      return json.loads(path.read_text())
+    except ValueError as e:
+      run_guard.report(f'warning: {path} cannot be read ({e}): resuming under the static default '
+                       'strategy; the result may differ from the run\'s at float rounding')
+  return {'strategy': strategies.default_strategy(), 'map_chunk_size': chunk, 'source': 'workdir'}
+
+
+def _scalars(results: dict) -> dict:
+  """The scalar entries of an evaluation dict (per-client lists go to results.json only)."""
+  return {k: v for k, v in results.items() if not isinstance(v, list)}
+
+
+_EVAL_KEYS = ('test_acc', 'knn_acc', 'probe_acc', 'probe_std_acc', 'ft_acc_1pct', 'ft_acc_10pct')
+
+
+def best_over_rounds(records: list, key: str) -> dict:
+  """{'<key>_best': the highest value of `key` over the logged rounds (round 0, the random-init
+  encoder, left out), '<key>_best_round': its round (the first on ties)}; {} when no round has it.
+
+  FedU2 reports the best kNN over rounds (its code logs `best_knn_acc`); the kNN monitor of every
+  `eval_every`-th round and the final evaluation compute the same kNN (k = knn_k on the whole
+  training split), so their maximum is that number at this run's evaluation cadence.
+  """
+  rounds = [(r[key], r['round']) for r in records if key in r and r['round'] > 0]
+  if not rounds:
+    return {}
+  best = max(v for v, _ in rounds)
+  return {f'{key}_best': best, f'{key}_best_round': min(i for v, i in rounds if v == best)}
+
+
+def _metrics_text(record: dict) -> str:
+  keys = [k for k in ('loss',) + _EVAL_KEYS if k in record]
+  return '  '.join(f'{k} {record[k]:.4f}' for k in keys)
+
+
+def _data_summary(config, dataset) -> str:
+  scheme = config.partition + (f'(alpha={config.alpha})' if config.partition == 'dirichlet' else
+                               f'(k={config.classes_per_client})' if config.partition == 'classes'
+                               else '')
+  public = f', {config.public_size} public' if config.public_size else ''
+  return (f'{dataset.name}: {len(dataset.train_y)} train / {len(dataset.test_y)} test '
+          f'images{public}; {config.num_clients} clients, {scheme} partition, '
+          f'{config.clients_per_round} per round')
+
+
+def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_position: int = 0,
+                       restart: bool = False, allow_config_change: bool = False,
+                       reference_cache: str | None = None,
+                       cache_dir: pathlib.Path | str | None = None) -> dict:
+  """Runs (or resumes) the configured experiment; returns the results dict.
+
+  verbose=False leaves out the lines meant for a person (partition table, per-evaluation metrics,
+  closing summary; experiments.reproduce prints its own table): only the bar, warnings and fault
+  lines reach the console. bar_position places the rounds bar under an outer bar (tqdm `position`).
+  Library logs go to WORKDIR/train.log (appended on resume), whatever `verbose`. `restart` and
+  `allow_config_change` are the binary's flags of those names. `reference_cache`: a directory
+  where runs that read the same pixels share the raw-pixel reference (`raw_pixel_reference`).
+  `cache_dir`: the folder of `compilation.enable_cache` (the binaries' --cache_dir), where
+  `strategy='auto'` keeps its measured choices and, under references/ unless `reference_cache` is
+  given, the reference evaluations (random-init encoder, raw pixels) runs of equal inputs share;
+  None: 'auto' is the static per-backend default and nothing is shared.
+
+  Returns process 0's results ("status": "completed", or "diverged" when a round became non-finite:
+  the run stopped there); the other processes return only the status. Raises
+  `run_guard.RunStateError` (a ConfigError) when the workdir refuses the run, and
+  `run_guard.Preempted` (a SystemExit) after a stop signal once the round's checkpoint is saved.
+  """
+  if reference_cache is None and cache_dir is not None:
+    reference_cache = str(pathlib.Path(cache_dir) / REFERENCES)
+  with logging_utils.RunLog() as log:
+    experiment.validate_config(config)
+    if strategies.multi_process() and strategies.resolve_strategy(config.strategy) != 'shard':
+      raise cv.ConfigError(f'config.strategy = {config.strategy!r} is invalid with '
+                           f"{jax.process_count()} processes: must be 'shard' (the participants "
+                           "are spread over every process's devices)")
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    primary = jax.process_index() == 0
+    with run_guard.WorkdirLock(workdir / run_guard.lock_name(jax.process_index())) as lock:
+      try:
+        warning, refused = lock.acquire(), None
+      except run_guard.RunStateError as e:
+        warning, refused = None, e
+      if run_guard.agree_max(refused is not None):  # every process refuses if one does
+        raise refused or run_guard.RunStateError(
+            f'workdir {workdir} is in use by another run (seen by another process of this run)')
+      log.open(workdir / (LOG_FILE if primary else f'train.process{jax.process_index()}.log'))
+      if warning:
+        run_guard.report(warning, echo=primary)
+      with run_guard.StopSignals() as stop, checkpoint.Checkpointer(
+          workdir / 'checkpoints', save_every=config.checkpoint_every) as ckpt:
+        return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
+                    bar_position=bar_position, primary=primary, restart=restart,
+                    allow_config_change=allow_config_change, reference_cache=reference_cache,
+                    cache_dir=cache_dir)
+
+
+def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
+         stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
+         restart: bool, allow_config_change: bool, reference_cache: str | None,
+         cache_dir) -> dict:
+  def say(message):  # a line for a person: train.log always, the console when verbose
+    logging_utils.say(message, echo=verbose)
+  logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
+                    echo=False)
+  # Resuming continues the workdir's run: refuse another config before loading anything.
+  stored = run_guard.stored_config(workdir)
+  changes = run_guard.config_changes(stored, config) if stored is not None else {}
+  if changes and ckpt.all_rounds() and not allow_config_change:
+    run_guard.refuse_changed_config(workdir, changes)
+  elif changes and not ckpt.all_rounds():
+    run_guard.report(f'warning: the config differs from the workdir\'s config.json '
+                     f'({run_guard.format_changes(changes)}) and there is no checkpoint to '
+                     'resume: starting over from round 0', echo=primary)
+
+  known_before_loading = configuration.dataset_info(config) is not None
+  dataset = experiment.load_data(config)
+  if not known_before_loading:  # validate_config could not check the sizes: check them now
+    configuration.check_data_config(config, DatasetInfo.of(dataset))
+  fed_data, info = experiment.build_fed_data(config, dataset)
+  say(_data_summary(config, dataset) + '\n' +
+      partition.format_histogram(info['histogram']))
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
+  if plan is not None:
+    say(plan.text)
+  round_cfg = experiment.round_config(config)
+  init_key, run_key = experiment.run_keys(config)
+
+  def initial_state():
+    state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+    # Several processes: every process built the same data and state; make them global arrays.
+    return state.replace(server=strategies.replicate(state.server),
+                         round=strategies.replicate(state.round),
+                         clients=(state.clients if config.client_state == 'host' else
+                                  strategies.replicate(state.clients)))
+  fed_data = strategies.replicate(fed_data)
+  # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
+  # the one it started with, since strategies agree only to float rounding.
+  choice, round_step = experiment.choose_strategy(
+      config, algo, fed_data, initial_state, run_key, cache_dir=cache_dir,
+      stored=_stored_strategy(workdir, ckpt, config.map_chunk_size))
+  devices = jax.device_count()
+  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
+              else config.encoder)
+  say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
+      f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
+      f'device{"s" if devices > 1 else ""}), {choice.text()}')
+  state = initial_state()
+  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
+  say('communication per participant and round: ' + ', '.join(
+      f'{c.name}: up {b.up:,} B, down {b.down:,} B'
+      for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
+
+  # Restored before the random-init evaluation, so that a workdir without an intact checkpoint
+  # is refused before that compute. Unreadable checkpoints moved aside by an earlier attempt
+  # count: starting over needs --restart until the run has saved an intact one again.
+  start = 0
+  if ckpt.all_rounds() or ckpt.moved_aside():
+    restored = run_guard.restore_newest_intact(ckpt, state, echo=primary, primary=primary)
+    if restored is not None:
+      start, state, _ = restored
+      say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
+    elif not restart:
+      raise run_guard.RunStateError(
+          f'no intact checkpoint in {workdir / "checkpoints"} (the unreadable ones are kept under '
+          f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
+          'to start over from round 0')
+    else:
+      run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
+                       echo=primary)
+
+  # The reference evaluations are cached in the workdir for the config that wrote config.json.
+  random_init_path = workdir / 'random_init.json'
+  # Every process evaluates (on its own copy: no collective), so that all of them reach the next
+  # round's collectives together; process 0 alone writes.
+  if random_init_path.exists() and not changes:
+    random_init = json.loads(random_init_path.read_text())
+    took = f'(from {random_init_path.name})'
+  else:
+    initial = _local(state if start == 0 else initial_state())
+    random_init, took = _shared_reference(
+        reference_cache, 'random_init', primary,
+        lambda: experiment.evaluation_key(config, algo, initial, dataset),
+        lambda: experiment.evaluate(config, algo, initial, dataset))
+    if primary:
+      files.write_json(random_init_path, random_init)
+  width = len(str(config.rounds))
+  say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
+      f'{_metrics_text(_scalars(random_init))}  {took}')
+  raw_pixels = None
+  if config.probe == 'logistic' and config.dataset == 'synthetic':
+    say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their mean '
+        'image by construction (sources.make_synthetic)')
+  elif config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
+    raw_pixels, took = raw_pixel_reference(config, dataset, workdir, reuse=not changes,
+                                           shared_dir=reference_cache, primary=primary)
+    say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
+
+  writer = logging_utils.MetricsWriter(str(workdir)) if primary else None
+  if primary and start == 0:
+    # Round 0 is the random-init encoder, so every accuracy curve starts there.
+    writer.truncate_after(-1)
+    writer.write(0, _scalars(random_init))
+    files.write_json(workdir / 'config.json', config.to_dict())
+    files.write_json(workdir / STRATEGY_FILE, choice.to_json())
+    run_guard.clear_config_changes(workdir)
+  elif primary:
+    writer.truncate_after(start)  # rows past the restored round are dropped before any append
+    if changes:  # --allow_config_change: the run goes on under the new values from here
+      run_guard.record_config_changes(workdir, start, changes)
+      files.write_json(workdir / 'config.json', config.to_dict())
+      say(f'config changed at round {start}: {run_guard.format_changes(changes)}')
+  history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
+  param_names, params_finite = run_guard.make_finite_check(state.server)
+  watch = run_guard.DivergenceWatch(config.rounds, param_names, history)
+
+  final = None
+  bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
+                               position=bar_position, leave=bar_position == 0,
+                               disable=None if primary else True)
+  signum = stop.agreed()  # a signal during the set-up: there is no new round to save
+  if signum:
+    bar.close()
+    _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', primary)
+  t_start = time.time()
+  compile_times = None
+  for r in range(start, config.rounds):
+    if compile_times is None:  # the process's first round: its compile, apart from everything else
+      with compilation.compile_timer() as compile_times:
+        state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+        jax.block_until_ready(state)
+      logging_utils.say(f'round {r + 1} step: {compile_times.text()} of '
+                        f'{compile_times.wall:.1f}s', echo=False)
+    else:
+      state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+    record = {k: float(v) for k, v in metrics.items()}
+    diverged = watch.check(r + 1, record, params_finite(state.server))
+    if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
+      record.update(algo.host_metrics(state))
+    if diverged is not None:  # no evaluation and no checkpoint of a non-finite state
+      if primary:
+        _write_non_finite(writer, r + 1, record)
+      bar.close()
+      return _diverged(config, algo, diverged, random_init, raw_pixels, workdir, writer, primary)
+    evaluated = True
+    if r + 1 == config.rounds:
+      final = experiment.evaluate(config, algo, _local(state), dataset)
+      record.update(_scalars(final))
+    elif config.eval_every and (r + 1) % config.eval_every == 0:
+      record.update(_scalars(experiment.evaluate(config, algo, _local(state), dataset,
+                                                 probe=False)))
+    else:
+      evaluated = False
+    # One record per round, written before that round's checkpoint: a resumed run truncates the
+    # log to its checkpoint and so never duplicates or loses a round.
+    if primary:
+      writer.write(r + 1, record)
+    if evaluated:
+      say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
+          f'({time.time() - t_start:.0f}s elapsed)')
+    else:
+      logging_utils.say(f'round {r + 1}/{config.rounds}  {_metrics_text(record)}', echo=False)
+    bar.set_metrics(record)
+    bar.update(1)
+    # After the last round a signal lets the run finish: its evaluation is done, only the results
+    # are left to write.
+    signum = stop.agreed() if r + 1 < config.rounds else 0
+    ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
+                    force=r + 1 == config.rounds or bool(signum))
+    if signum:
+      bar.close()
+      _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
+               f'{workdir / "checkpoints" / str(r + 1)} saved', primary)
+  bar.close()
+  if not primary:
+    return {'status': 'completed'}
+
+  if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
+    final = experiment.evaluate(config, algo, _local(state), dataset)
+  if algo.host_metrics is not None:
+    final.update(algo.host_metrics(state))
+  writer.close()
+  results = _results('completed', config, algo, random_init, raw_pixels, workdir, final=final)
+  if algo.cohorts:  # the architecture of every client, as this run assigned it
+    results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
+  if plan is not None:
+    results[plan.key] = dict(plan.summary, **{k: final[k] for k in plan.final_metrics})
+  records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+  final.update(best_over_rounds(records, 'knn_acc'))
+  results['communication'] = _communication(algo, config, per_participant, records)
+  results['strategy'] = choice.to_json()
+  if compile_times is not None:
+    results['first_round'] = compile_times.to_json()
+  files.write_json(workdir / 'results.json', results)
+
+  accs = [k for k in _EVAL_KEYS if k in final]
+  plotting.plot_metrics(
+      records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
+      title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
+      hlines={k: {'random-init encoder': random_init[k]} for k in accs if k in random_init})
+  if 'test_acc' in final:
+    say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '
+        f'{random_init.get("test_acc", float("nan")):.4f}')
+  comm = results['communication']
+  say(f'communication: {comm["bytes_up_total"]:,.0f} B up, {comm["bytes_down_total"]:,.0f} B down '
+      f'in {config.rounds} rounds')
+  if 'probe_acc' in final:
+    say(f'linear probe accuracy: trained encoder {final["probe_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
+  if 'probe_std_acc' in final:
+    say(f'standardised probe:    trained encoder {final["probe_std_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("probe_std_acc", float("nan")):.4f}  '
+        f'({config.probe_std_epochs} epochs on z-scored features)')
+  if 'knn_acc' in final:
+    say(f'kNN accuracy:          trained encoder {final["knn_acc"]:.4f} | '
+        f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
+  for key in ('ft_acc_1pct', 'ft_acc_10pct'):
+    if key in final:
+      say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
+          f'{random_init.get(key, float("nan")):.4f}  (fine-tuned, config.finetune = '
+          f'{config.finetune!r})')
+  if raw_pixels is not None:
+    for key in ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'):
+      if key in final:
+        say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
+            f'{random_init.get(key, float("nan")):.4f} | raw pixels '
+            f'{raw_pixels.get(key, float("nan")):.4f}')
+  say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
+      f'log: {workdir / LOG_FILE}')
+  return results
+
+
+def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
+  """(metrics, a note for the log line): SHARED_DIR/<name>-<key_fn()>.json when an earlier run
+  with the same key wrote it, else compute(), then written there by the primary process (no
+  SHARED_DIR: computed). An unreadable file is evaluated again, with a warning."""
+  shared = pathlib.Path(shared_dir) / f'{name}-{key_fn()}.json' if shared_dir else None
+  if shared is not None and shared.exists():
+    try:
+      return json.loads(shared.read_text()), f'(from {shared})'
+    except ValueError as e:
+      run_guard.report(f'warning: {shared} cannot be read ({e}): evaluating again', echo=primary)
+  t0 = time.time()
+  metrics = compute()
+  if primary and shared is not None:
+    shared.parent.mkdir(parents=True, exist_ok=True)
+    files.write_json(shared, metrics)
+  return metrics, f'({time.time() - t0:.1f}s)'
+
+
+def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse: bool,
+                        shared_dir=None, primary: bool = True):
+  """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
+  (the config that wrote config.json is unchanged), else SHARED_DIR/raw_pixels-<key>.json when an
+  earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
+  it is written to the workdir (a run directory stands alone; workdir None: no run directory) and,
+  when computed, to shared_dir.
+
+  The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
+  images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
+  random-init encoder), and every row of a table at one seed reads the same pixels: the binaries
+  share it across runs through CACHE_DIR/references (`compilation.enable_cache`).
+  Returns (metrics dict, a note for the log line)."""
+  raw_path = workdir / 'raw_pixels.json' if workdir is not None else None
+  if reuse and raw_path is not None and raw_path.exists():
+    return json.loads(raw_path.read_text()), f'(from {raw_path.name})'
+  metrics, took = _shared_reference(shared_dir, 'raw_pixels', primary,
+                                    lambda: experiment.raw_pixel_key(config, dataset),
+                                    lambda: experiment.raw_pixel_metrics(config, dataset))
+  if primary and raw_path is not None:
+    files.write_json(raw_path, metrics)
+  return metrics, took
+
+
+def reference_evaluations(config, reference_cache: str | None = None,
+                          memo: dict | None = None) -> tuple:
+  """(random_init, raw_pixels): the references a run of `config` records at round 0
+  (random_init.json and raw_pixels.json; raw_pixels None unless config.probe = 'logistic'),
+  evaluated the same way without training and without a workdir. For a table cell carried from an
+  older table.csv, which kept each seed's result but not its references
+  (`experiments.reproduce --recompute_references`).
+
+  `memo` ({`experiment.evaluation_key`: metrics}) shares one random-init evaluation between the
+  configs that evaluate equal variables on equal data; `reference_cache` is the raw-pixel cache
+  directory of `raw_pixel_reference`."""
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  init_key, _ = experiment.run_keys(config)
+  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
+  memo = {} if memo is None else memo
+  key = experiment.evaluation_key(config, algo, state, dataset)
+  if key not in memo:
+    memo[key] = experiment.evaluate(config, algo, state, dataset)
+  raw_pixels = None
+  if config.probe == 'logistic' and config.dataset != 'synthetic':  # as a run: `_run`
+    raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
+                                        shared_dir=reference_cache)
+  return memo[key], raw_pixels
+
+
+def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: pathlib.Path,
+             **fields) -> dict:
+  """What every results.json holds: the status, `fields`, the references (random init, raw
+  pixels), the run's identity and the config changes it went through."""
+  results = {'status': status, **fields, 'random_init': random_init, 'rounds': config.rounds,
+             'algorithm': algo.name, 'ssl_method': config.ssl_method}
+  if raw_pixels is not None:
+    results['raw_pixels'] = raw_pixels
+  config_history = run_guard.read_config_changes(workdir)
+  if config_history:
+    results['config_changes'] = config_history
+  return results
+
+
+def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, record: dict) -> None:
+  """Logs the round that diverged (metrics.jsonl keeps NaN / Infinity) without tensorboardX's
+  console warning about them: the divergence line says more."""
+  tb_log = logging.getLogger('tensorboardX.x2num')
+  level = tb_log.level
+  tb_log.setLevel(logging.ERROR)
+  try:
+    writer.write(round_idx, record)
+  finally:
+    tb_log.setLevel(level)
+
+
+def _stopped(signum: int, where: str, primary: bool):
+  """Reports a stop on `signum` and raises run_guard.Preempted (exit status 128 + signum)."""
+  run_guard.report(f'stopped by {signal.Signals(signum).name} {where}; resume with the same '
+                   f'command: {run_guard.resume_command()}', echo=primary)
+  raise run_guard.Preempted(signum)
+
+
+def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, raw_pixels,
+              workdir: pathlib.Path, writer, primary: bool) -> dict:
+  """Reports a divergence in one line and writes results.json with "status": "diverged"."""
+  run_guard.report(diverged.message(run_guard.divergence_hint(config.lr, config.grad_clip_norm)),
+                   echo=primary)
+  if not primary:
+    return {'status': 'diverged'}
+  writer.close()
+  results = _results('diverged', config, algo, random_init, raw_pixels, workdir,
+                     diverged=diverged.to_json())
+  files.write_json(workdir / 'results.json', results)
+  return results
+
+
+def _communication(algo, config, per_participant, records) -> dict:
+  """results.json's communication entry: exact per-participant bytes of each cohort, and the
+  run's totals summed from the per-round metrics."""
+  rounds = [r for r in records if 'bytes_up' in r]
+  return {
+      'per_participant': {c.name: {'up': b.up, 'down': b.down}
+                          for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)},
+      'bytes_up_total': float(sum(r['bytes_up'] for r in rounds)),
+      'bytes_down_total': float(sum(r['bytes_down'] for r in rounds)),
+      'rounds_counted': len(rounds),
+  }
+
+
+def _local(state):
+  """The state as arrays of this process's first device (the state itself with one process):
+  evaluation then runs in each process alone, with no collective."""
+  if not strategies.multi_process():
+    return state
+  return jax.device_put(jax.device_get(state), jax.local_devices()[0])
