@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 46, in three parts that each end within ~6 minutes on one H100 /
-# H200 (two fit in a 15-minute lease with the machine's start). Prepare once here, on the CPU box:
+# The prepared GPU check of issue 46, in three parts sized for ~6 minutes each on one H100 / H200
+# (two fit in a 15-minute lease with the machine's start); each stage has a time limit, and a part's
+# limits add up to 7 minutes at most. Prepare once here, on the CPU box:
 #
 #   bash scripts/gpu_wheels.sh        # .whl/: ml-collections, dp-accounting, tensorboardX
 #
@@ -81,7 +82,7 @@ EOF
 
 case "$PART" in
 core)
-  stage bench 330 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+  stage bench 300 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
     --variants=map,vmap,map5 --precisions=float32,bfloat16 --peak_tflops="$PEAKS" \
     --torch_variants=torch,torch_bf16,torch_union,torch_union_fp32 \
@@ -89,31 +90,31 @@ core)
     --cache_dir="$CACHE" --out="$OUT/bench_c10.json"
   # The same programs in a new process with the cache the first one filled: what a second run or
   # seed pays to compile its round (the 'compile' entries).
-  stage bench_warm 90 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+  stage bench_warm 60 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=1 \
     --variants=map,vmap --precisions=float32,bfloat16 --notorch \
     --cache_dir="$CACHE" --out="$OUT/bench_c10_warm.json"
   ;;
 extra)
-  stage bench_c100 200 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \
+  stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \
     --participants=$C --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
     --variants=map/bfloat16,vmap/bfloat16,map5/bfloat16 --precisions=float32,bfloat16 \
     --peak_tflops="$PEAKS" --torch_variants=torch,torch_bf16,torch_union \
     --out="$OUT/bench_c100_p10.json"
   # FedU2's own costs and its round (configs/fedu2/paper_cross_silo.py's model and batch: ResNet-18,
   # 512-2048-512 heads, B = 128; 10 participants of 640 images, one local epoch = 5 steps) ...
-  stage fedu2 200 "$PY" -m experiments.fedu2.timing --batch_sizes=$B128 --clients=$C \
+  stage fedu2 150 "$PY" -m experiments.fedu2.timing --batch_sizes=$B128 --clients=$C \
     --round_clients=$C --round_images=$IMAGES --repeats=2 --strategy=map --encoder=$M \
     --out="$OUT/fedu2_round.json"
   # ... and the eager PyTorch loop of the same participants, steps and batch (BYOL: the official
   # code's FUR and EUA are not in the PyTorch reference, so this loop is a lower bound of its time).
-  stage fedu2_eager 120 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+  stage fedu2_eager 60 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B128 --repeats=2 --variants= \
     --torch_variants=torch,torch_bf16 --out="$OUT/eager_c10_b128.json"
   ;;
 auto)
   for run in first second; do
-    stage "train_$run" 240 "$PY" -m experiments.train --config configs/gpu_round.py \
+    stage "train_$run" 180 "$PY" -m experiments.train --config configs/gpu_round.py \
       --workdir "/tmp/gpu_round_$run.$$" --cache_dir "$CACHE" --config.precision=bfloat16 \
       "${TRAIN_ARGS[@]}"
     cp "/tmp/gpu_round_$run.$$/results.json" "$OUT/train_${run}_results.json" 2>/dev/null
