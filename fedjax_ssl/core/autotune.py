@@ -11,7 +11,7 @@ nothing. The run's own round step is the winner's, already compiled.
 
 Strategies compute the same function but agree only to float rounding, so a run records its
 resolved strategy in its workdir and a resume uses that one, whatever the cache says
-(`fedjax_ssl.training`... the train binary: WORKDIR/strategy.json).
+(`fedjax_ssl.training`: WORKDIR/strategy.json).
 
 On a CPU there is one candidate, `map` with chunk 1, so nothing is timed: every CPU measurement
 so far found `vmap` slower (docs/notes/performance.md#perf-2; the quickstart's round: 16.7 s
@@ -23,6 +23,7 @@ such as 'map1,vmap,map4' times those (strategy name with its chunk size; 'vmap' 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -237,7 +238,6 @@ def program_description(**fields) -> dict:
 
 
 def cache_key(description: dict) -> str:
-  import hashlib  # pylint: disable=g-import-not-at-top
   return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()
                         ).hexdigest()[:24]
 
