@@ -47,7 +47,7 @@ def get_config():
   c.algorithm = 'fedavg'
   # SimCLR learns much faster than BYOL on this tiny budget (docs/notes/fedssl.md#is-it-our-byol).
   c.ssl_method = 'simclr'
-  c.temperature = 0.2         # 0.3: same result (standardised probe 0.8133 vs 0.8141)
+  c.simclr.temperature = 0.2         # 0.3: same result (standardised probe 0.8133 vs 0.8141)
   # 84-d Tanh feature layer after global average pooling: random-init features are weak, unlike
   # small_cnn's (see the docstring).
   c.encoder = 'lenet5'
@@ -61,7 +61,7 @@ def get_config():
   c.batch_size = 128
   c.lr = 0.1
   c.weight_decay = 0.0
-  c.ema_tau = 0.96            # unused by SimCLR; kept for --config.ssl_method=byol
+  c.byol.ema_tau = 0.96       # unused by SimCLR; kept for --config.ssl_method=byol
   c.eval_every = 5            # kNN every 5 rounds (the curve in metrics.png; ~10 s each)
   c.checkpoint_every = 5
   return c

@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional
 from absl import flags
 import numpy as np
 
-from fedjax_ssl import checkpoint, core, experiment
+from fedjax_ssl import checkpoint, core, experiment, run_identity
 from fedjax_ssl import config_validation as cv
 
 FILES = ('trained_train.npy', 'trained_test.npy', 'random_train.npy', 'random_test.npy',
@@ -120,4 +120,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  cv.run(main, reference=experiment.default_config)
+  cv.run(main, reference=experiment.default_config, moved=run_identity.MOVED_KEYS)

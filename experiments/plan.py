@@ -79,7 +79,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
-from fedjax_ssl import algorithms, configuration, experiment, reproduce
+from fedjax_ssl import algorithms, configuration, experiment, reproduce, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import local, rng, strategies
 from fedjax_ssl.core import round as rd
@@ -584,4 +584,4 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
-  cv.run(main, reference=experiment.default_config)
+  cv.run(main, reference=experiment.default_config, moved=run_identity.MOVED_KEYS)

@@ -17,7 +17,7 @@ import pathlib
 
 from absl import flags
 
-from fedjax_ssl import checkpoint, configuration, experiment, logging_utils
+from fedjax_ssl import checkpoint, configuration, experiment, logging_utils, run_identity
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
@@ -74,4 +74,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  cv.run(main, reference=experiment.default_config)
+  cv.run(main, reference=experiment.default_config, moved=run_identity.MOVED_KEYS)

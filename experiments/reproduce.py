@@ -70,6 +70,10 @@ _RECOMPUTE_REFERENCES = flags.DEFINE_bool(
     'Train nothing: evaluate the per-seed references (random-init encoder, raw pixels) of the '
     'cells that OUT/table.csv carries without them, pair them with those cells\' seeds, and '
     'rewrite the table.')
+_RENDER_ONLY = flags.DEFINE_bool(
+    'render_only', False,
+    'Train nothing: rebuild OUT/table.{csv,md,png} from the runs on disk and the cells OUT/table.csv '
+    'carries (after a change of the harness: the collapse rule, the verdicts).')
 flags.mark_flags_as_required(['table', 'out'])
 _OVERRIDE = re.compile(r'^--?(no)?config\.([^=]+)(?:=(.*))?$', re.DOTALL)
 
@@ -206,8 +210,9 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
 
 
 def recompute_references(table_path: str, out: str, scale: str = 'quick', command: str = '',
-                         overrides=None) -> list:
-  """Pairs the seeds of the cells table.csv carries without per-seed references (a csv written
+                         overrides=None, references: bool = True) -> list:
+  """Rewrites the table from the runs on disk and table.csv, training nothing; with `references`
+  it first pairs the seeds of the cells table.csv carries without per-seed references (a csv written
   before those columns existed) with their references, and rewrites the table; returns the
   summary rows. Each (cell, seed) gets the random-init and raw-pixel evaluations its run recorded
   at round 0 (`training.reference_evaluations`: the cell's config at that seed, nothing trained);
@@ -223,7 +228,7 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
     previous = reproduce.read_csv(out / 'table.csv')
     summarised = reproduce.table_runs(table, [], out)
     summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
-    todo = reproduce.without_references(summary)
+    todo = reproduce.without_references(summary) if references else {}
     runs = {}
     seeds = sorted({s for ss in todo.values() for s in ss})
     for run in reproduce.plan_runs(table, seeds, sorted(todo)):
@@ -266,8 +271,9 @@ def main(argv):
     return
   # The command as typed, overrides included: the table's record of how to reproduce it.
   command = 'python -m experiments.reproduce ' + ' '.join(shlex.quote(a) for a in _TYPED_ARGS)
-  if _RECOMPUTE_REFERENCES.value:
-    recompute_references(_TABLE.value, _OUT.value, _SCALE.value, command, overrides)
+  if _RECOMPUTE_REFERENCES.value or _RENDER_ONLY.value:
+    recompute_references(_TABLE.value, _OUT.value, _SCALE.value, command, overrides,
+                         references=_RECOMPUTE_REFERENCES.value)
     return
   summary = run_table(_TABLE.value, _OUT.value, seeds, _SCALE.value, _ONLY.value, command,
                       overrides)

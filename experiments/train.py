@@ -66,7 +66,7 @@ import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import experiment, run_guard, training  # noqa: E402
+from fedjax_ssl import experiment, run_guard, run_identity, training  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
@@ -121,4 +121,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cv.run(main, reference=experiment.default_config)
+  cv.run(main, reference=experiment.default_config, moved=run_identity.MOVED_KEYS)

@@ -162,14 +162,14 @@ def exit_with_error(error: BaseException | str) -> NoReturn:
   sys.exit(1)
 
 
-def unknown_override(argv: Sequence[str], reference: Any,
-                     flag_name: str = 'config') -> Optional[ConfigError]:
+def unknown_override(argv: Sequence[str], reference: Any, flag_name: str = 'config',
+                     moved: Optional[Mapping[str, str]] = None) -> Optional[ConfigError]:
   """The error for the first ``--<flag_name>.<path>=value`` in ``argv`` whose path is no key of
   ``reference`` (None if every override names a known key).
 
   ml_collections raises a bare ``AttributeError: "'key'"`` (a TypeError for a sub-key of a leaf)
   inside absl's flag parsing for such an override; this names the key, the flag it came from and
-  the closest known keys.
+  the closest known keys; a key of ``moved`` (old dotted path -> new one) names its new path.
   """
   pattern = re.compile(rf'^--?(?:no)?{re.escape(flag_name)}\.([^=]+)')
   for arg in argv[1:]:
@@ -178,6 +178,10 @@ def unknown_override(argv: Sequence[str], reference: Any,
     match = pattern.match(arg)
     if not match:
       continue
+    if moved and match.group(1) in moved:
+      new = moved[match.group(1)]
+      return ConfigError(f'{flag_name}.{match.group(1)} in {arg} is no longer a key: it moved to '
+                         f'{flag_name}.{new} (use --{flag_name}.{new}=...)')
     node, prefix = reference, flag_name
     for part in match.group(1).split('.'):
       if not _is_mapping(node):
@@ -190,7 +194,7 @@ def unknown_override(argv: Sequence[str], reference: Any,
 
 
 def run(main: Callable[[list], Any], *, reference: Optional[Callable[[], Any]] = None,
-        config_flag: str = 'config') -> None:
+        config_flag: str = 'config', moved: Optional[Mapping[str, str]] = None) -> None:
   """``absl.app.run(main)`` with config errors reported as one line and exit status 1.
 
   Args:
@@ -198,6 +202,7 @@ def run(main: Callable[[list], Any], *, reference: Optional[Callable[[], Any]] =
     reference: returns the config every ``--<config_flag>.<key>`` override must name a key of
       (the binaries pass ``experiment.default_config``).
     config_flag: name of the ml_collections config flag.
+    moved: keys that moved (old dotted path -> new one): an override of an old one names the new.
 
   Reported as ``error: <message>`` on stderr, exit status 1, no traceback: a ``ConfigError`` raised
   by ``main``; an override of an unknown key (ml_collections raises a bare AttributeError while
@@ -211,7 +216,7 @@ def run(main: Callable[[list], Any], *, reference: Optional[Callable[[], Any]] =
     except flags.Error as e:
       exit_with_error(e)
     except (AttributeError, KeyError, TypeError):
-      error = unknown_override(argv, reference(), config_flag) if reference is not None else None
+      error = unknown_override(argv, reference(), config_flag, moved) if reference is not None else None
       if error is None:
         raise
       exit_with_error(error)

@@ -24,7 +24,8 @@ import ml_collections
 from fedjax_ssl import algorithms
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import models
-from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl import run_identity
+from fedjax_ssl import ssl
 from fedjax_ssl.algorithms.fedavg import BYOL_TARGET_SYNC
 from fedjax_ssl.core import optim, server_opt, strategies
 from fedjax_ssl.core import round as rd
@@ -48,8 +49,9 @@ HEADS = tuple(models.HEAD_PRESETS) + ('custom',)
 def default_config() -> ml_collections.ConfigDict:
   """Every key a run may set, with its default (FedBYOL, EasyFL hyper-parameters).
 
-  Each registered algorithm adds its config block, `c.<name>` (`algorithms.register(defaults=)`),
-  so an algorithm registered from a user's file has its keys here too.
+  Each registered algorithm and each registered objective adds its config block, `c.<name>`
+  (`algorithms.register(defaults=)`, `ssl.register(Objective(defaults=))`), so an algorithm or an
+  objective registered from a user's file has its keys here too.
   """
   c = ml_collections.ConfigDict()
   c.seed = 0
@@ -66,7 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.public_size = 0               # public / RAD set carved out before partitioning
   # Method.
   c.algorithm = 'fedavg'          # a registered name: fedjax_ssl.algorithms.names()
-  c.ssl_method = 'byol'           # byol | simsiam | simclr | sc | supervised
+  c.ssl_method = 'byol'           # a registered objective: fedjax_ssl.ssl.names(); its keys: c.<name>
   c.encoder = 'small_cnn'
   c.conv_impl = 'auto'            # auto | xla | im2col
   # Compute dtype of convolutions, matmuls and activations: float32 | bfloat16. Parameters, optimizer
@@ -79,9 +81,6 @@ def default_config() -> ml_collections.ConfigDict:
   c.pred_out = 128
   c.head_bn = True
   c.augmentation = 'byol_easyfl'  # augment.PRESETS name
-  c.temperature = 0.5             # SimCLR NT-Xent
-  c.nt_xent_zero_diagonal = False  # FedU2 code quirk (arXiv:2403.16398; docs/notes/evaluation.md#losses-and-evaluation)
-  c.ema_tau = 0.99                # BYOL target EMA
   c.byol_target_sync = 'keep'     # keep (EasyFL) | reset (FedSC FedAvg+BYOL)
   c.sc_mu = 4.0                   # 'sc': NormClip level mu in the SC loss and FedSC's DP-CalR (0 = off)
   # Federation and optimisation.
@@ -140,15 +139,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.finetune_fractions = (0.01, 0.1)
   c.finetune_epochs = 0
   c.checkpoint_every = 10
-  for name in algorithms.names():
-    c[name] = algorithms.get(name).defaults()
+  for kind, registered, block in (('algorithm', algorithms.names(), algorithms.get),
+                                  ('objective', ssl.names(), ssl.get)):
+    for name in registered:
+      if name in c:  # both kinds of block and the generic keys share the top level
+        raise ValueError(f'{kind} {name!r} is invalid: config.{name} is taken by another key or '
+                         'block; register it under another name')
+      c[name] = block(name).defaults()
   return c
-
-
-# Top-level keys that moved into an algorithm's block (issue 25): old name -> (block, key).
-_MOVED_KEYS = {'dapu_threshold': ('fedu', 'dapu_threshold'),
-               'autoscaler_tau': ('fedema', 'autoscaler_tau'),
-               'independent_init': ('independent', 'independent_init')}
 
 
 def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
@@ -157,11 +155,7 @@ def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
   if not path.exists():
     raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
   config = default_config()
-  saved = json.loads(path.read_text())
-  for old, (block, key) in _MOVED_KEYS.items():  # runs from before these keys had a block
-    if old in saved:
-      saved.setdefault(block, {})[key] = saved.pop(old)
-  config.update(saved)
+  config.update(run_identity.migrate(json.loads(path.read_text())))
   return config
 
 
@@ -174,8 +168,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   the image size. Loads no data and builds no model (the encoder is traced abstractly, no FLOPs).
   """
   cv.check_choice('algorithm', config.algorithm, algorithms.names())
+  run_identity.check_no_moved_keys(config)
   cv.check_known_keys(config, default_config())
-  cv.check_choice('ssl_method', config.ssl_method, ssl_client.SSL_METHODS)
+  ssl.registry.validate(config)
   cv.check_choice('dataset', config.dataset, sources.NAMES)
   cv.check_choice('data_source', config.data_source, sources.SOURCES)
   cv.check_choice('partition', config.partition, PARTITIONS)
@@ -218,8 +213,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_float_range('weight_decay', config.weight_decay, 0.0, None)
   cv.check_float_range('grad_clip_norm', config.grad_clip_norm, 0.0, None)
   _check_server_optimizer(config)
-  cv.check_float_range('ema_tau', config.ema_tau, 0.0, 1.0)
-  cv.check_float_range('temperature', config.temperature, 0.0, None, inclusive=(False, True))
   cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
                        inclusive=(False, True))
   cv.check_float_range('probe_lr', config.probe_lr, 0.0, None, inclusive=(False, True))
@@ -229,16 +222,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     cv.check_int_range('classes_per_client', config.classes_per_client, 1, 1_000_000)
   info = dataset_info(config)
   algorithms.registry.validate(config, info)
-  if (config.ssl_method != 'supervised' and config.knn_k == 0 and config.probe == 'adam'
+  if (not ssl.get(config.ssl_method).classifier and config.knn_k == 0 and config.probe == 'adam'
       and config.probe_epochs == 0 and config.probe_std_epochs == 0 and config.finetune == 'none'):
     raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
                          f'invalid for ssl_method {config.ssl_method!r}: the run would report no '
                          'accuracy; keep the kNN monitor (knn_k > 0) or a probe')
   cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
-  if not config.drop_last and config.ssl_method != 'sc':
+  if not config.drop_last and not ssl.get(config.ssl_method).ragged_batches:
     raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '
-                         f"{config.ssl_method!r}: only the 'sc' loss honours the ragged last "
-                         "batch's mask")
+                         f"{config.ssl_method!r}: its loss does not read the ragged last batch's "
+                         f"mask (objectives that do: "
+                         f"{', '.join(n for n in ssl.names() if ssl.get(n).ragged_batches)})")
   if config.heads == 'custom':
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)

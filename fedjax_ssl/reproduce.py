@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment, files, plotting, run_identity
+from fedjax_ssl import configuration, experiment, files, plotting, run_identity
 
 SCALES = ('quick', 'evidence', 'paper')
 # A table file lists the scales it defines in its own SCALES (these two when it does not).
@@ -485,8 +485,78 @@ def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, 
                  'verdict': 'no per-seed reference values (carried from an older table.csv)'}
       else:
         continue
+      if not found['n']:  # no seed pairs: say so where a side collapsed
+        sides = [by_key.get((r, column, claim.metric)) for r in (claim.better, claim.worse)]
+        gone = [f"{e['row']} collapsed ({len(e['collapsed'])} seeds)" for e in sides
+                if e is not None and e.get('collapsed') and not e['n']]
+        if gone:
+          found = dict(found, verdict='; '.join(gone))
       out.append({'claim': claim.text, 'better': claim.better, 'worse': claim.worse,
                   'column': column, 'metric': claim.metric, **found})
+  return out
+
+
+# A seed is collapsed when its trained encoder carries no class information: its full-label score
+# (the first of COLLAPSE_METRICS the cell has) lies within COLLAPSE_MARGIN points of chance,
+# 100 / classes. 2 points on 10 classes: the committed collapsed runs score 10.00 to 10.02 (every
+# feature the same vector: uniformity 0, effective rank 1, docs/results/fedu2/fmnist_quick/geometry.md);
+# the nearest seed above them, FedU2-BYOL at alpha 0.1 seed 2 (probe 13.88, kNN 13.59, effective
+# rank > 1), keeps some class information and is counted, as a weak seed, not a collapsed one.
+COLLAPSE_MARGIN = 2.0
+COLLAPSE_METRICS = ('probe_acc', 'knn_acc', 'test_acc')
+
+
+def collapsed_seeds(entries: Sequence[Dict[str, Any]], num_classes: int
+                    ) -> Dict[int, str]:
+  """{seed: why} of one cell's seeds that collapsed (`COLLAPSE_MARGIN`), from its summary entries
+  (one per metric)."""
+  by_metric = {e['metric']: e for e in entries}
+  chance = 100.0 / num_classes
+  for metric in COLLAPSE_METRICS:
+    e = by_metric.get(metric)
+    if e is None or not e['n']:
+      continue
+    return {seed: (f'seed {seed}: {metric_name(metric)} {value:.2f}, within {COLLAPSE_MARGIN:g} '
+                   f'points of chance ({chance:.2f})')
+            for seed, value in zip(e['seeds'], e['values']) if value <= chance + COLLAPSE_MARGIN}
+  return {}
+
+
+def mark_collapsed(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """`summary` with each cell's collapsed seeds (`collapsed_seeds`) taken out of every metric
+  entry of the cell, values and per-seed references alike, and listed in the entry's 'collapsed':
+  a mean is never over collapsed and learning seeds together, and a verdict never pairs a
+  collapsed seed. Cells of a dataset whose class count is unknown before loading are left as
+  they are."""
+  by_cell: Dict[str, List[Dict[str, Any]]] = {}
+  for e in summary:
+    by_cell.setdefault(e['cell'], []).append(e)
+  classes = {}
+  for row, column in table.cells():
+    info = configuration.dataset_info(cell_config(table, row, column, 0))
+    if info is not None:
+      classes[cell_id(row, column)] = info.num_classes
+  out = []
+  for e in summary:
+    found = (collapsed_seeds(by_cell[e['cell']], classes[e['cell']]) if e['cell'] in classes
+             else {})
+    keep = [i for i, s in enumerate(e['seeds']) if s not in found]
+    if len(keep) == len(e['seeds']):
+      out.append(dict(e, collapsed=list(e.get('collapsed', []))))
+      continue
+    new = dict(e, seeds=[e['seeds'][i] for i in keep],
+               collapsed=list(e.get('collapsed', [])) + [found[s] for s in e['seeds'] if s in found])
+    for key in ('values', 'random_init_values', 'raw_pixels_values'):
+      if len(e[key]) == len(e['seeds']):
+        new[key] = [e[key][i] for i in keep]
+    values = new['values']
+    new.update(n=len(values), mean=float(np.mean(values)) if values else float('nan'),
+               std=float(np.std(values, ddof=1)) if len(values) > 1 else float('nan'))
+    new['diff'] = new['mean'] - e['paper'] if e['paper'] is not None and values else None
+    for key in ('random_init', 'raw_pixels'):
+      if len(new[f'{key}_values']) == len(values) and values:
+        new[f'{key}_mean'] = float(np.mean(new[f'{key}_values']))
+    out.append(new)
   return out
 
 
@@ -502,25 +572,34 @@ def _md_cell(entry: Dict[str, Any]) -> str:
     text += f' ± {_fmt(entry["std"])}'
   if entry['paper'] is not None:
     text += f' (paper {_fmt(entry["paper"])}, {entry["diff"]:+.2f})'
-  lost = len(entry['errors']) + len(entry['diverged'])
+  collapsed = entry.get('collapsed', [])
+  lost = len(entry['errors']) + len(entry['diverged']) + len(collapsed)
   if lost or entry['pending']:
+    marks = [f'{len(entry[k])} {k}' for k in ('diverged', 'collapsed') if entry.get(k)]
     text += (f' [{entry["n"]} of {entry["n"] + entry["pending"] + lost} seeds'
-             + (f', {len(entry["diverged"])} diverged]' if entry['diverged'] else ']'))
+             + (f', {", ".join(marks)}]' if marks else ']'))
   return text
 
 
 def _no_value(entry: Dict[str, Any]) -> str:
   """What a cell without a value shows: 'failed' (an error), 'diverged' (every finished seed
-  diverged) or 'pending'."""
-  return 'failed' if entry['errors'] else 'diverged' if entry['diverged'] else 'pending'
+  diverged), 'collapsed (k of n seeds)' (every finished seed collapsed, `mark_collapsed`) or
+  'pending'."""
+  if entry['errors']:
+    return 'failed'
+  if entry.get('collapsed') and not entry['diverged']:
+    k = len(entry['collapsed'])
+    return f'collapsed ({k} of {k + entry["pending"]} seeds)'
+  return 'diverged' if entry['diverged'] else 'pending'
 
 
 # table.csv's columns. The per-seed reference values (random-init encoder, raw pixels) pair each
 # seed with its own reference in the 'learns' verdicts, also for a table rebuilt from the csv alone.
 CSV_FIELDS = ('row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
               'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'random_init_values',
-              'raw_pixels_values', 'pending', 'errors', 'diverged')
-_LIST_FIELDS = ('seeds', 'values', 'random_init_values', 'raw_pixels_values', 'errors', 'diverged')
+              'raw_pixels_values', 'pending', 'errors', 'diverged', 'collapsed')
+_LIST_FIELDS = ('seeds', 'values', 'random_init_values', 'raw_pixels_values', 'errors', 'diverged',
+                'collapsed')
 
 
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
@@ -532,7 +611,8 @@ def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
                 'seeds': ' '.join(str(s) for s in e['seeds']),
                 **{k: ' '.join(f'{v:.4f}' for v in e[k])
                    for k in ('values', 'random_init_values', 'raw_pixels_values')},
-                'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged'])})
+                'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged']),
+                'collapsed': ' | '.join(e.get('collapsed', []))})
   files.write_text(path, f.getvalue())
 
 
@@ -564,7 +644,8 @@ def read_csv(path: pathlib.Path) -> List[Dict[str, Any]]:
           'raw_pixels_values': floats(r.get('raw_pixels_values')),
           'pending': int(r['pending']),
           'errors': r['errors'].split(' | ') if r['errors'] else [],
-          'diverged': r['diverged'].split(' | ') if r['diverged'] else []})
+          'diverged': r['diverged'].split(' | ') if r['diverged'] else [],
+          'collapsed': r['collapsed'].split(' | ') if r.get('collapsed') else []})
   return entries
 
 
@@ -717,6 +798,12 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
       if (cell, err) not in seen:
         seen.add((cell, err))
         lines.append(f'- `{cell}` {err.splitlines()[0] if err else ""}')
+  collapsed = sorted({(e['cell'], why) for e in summary for why in e.get('collapsed', [])})
+  if collapsed:
+    lines += ['', '## Collapsed seeds', '',
+              f'Left out of every mean and verdict of their cell: a seed whose full-label score is '
+              f'within {COLLAPSE_MARGIN:g} points of chance (`reproduce.COLLAPSE_MARGIN`).', '']
+    lines += [f'- `{cell}` {why}' for cell, why in collapsed]
   carried = sorted({e['cell'] for e in summary if e.get('carried')})
   if carried:
     lines += ['', f'Carried from the previous table.csv (no run of theirs under this output '
@@ -869,6 +956,7 @@ def write_outputs(table: Table, summary: Sequence[Dict[str, Any]], out: pathlib.
   """table.csv, table.md and table.png in `out` (each written atomically)."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
+  summary = mark_collapsed(table, summary)
   write_csv(summary, out / 'table.csv')
   files.write_text(out / 'table.md', markdown(table, summary, seeds, command))
   plot(table, summary, out / 'table.png')

@@ -5,6 +5,9 @@
     refuses a resume whose key differs from the stored config's (less `NEUTRAL_KEYS`).
   * `NEUTRAL_KEYS`: keys that cannot change what a run computes (only how often it logs, evaluates
     on the side or saves): a resume may change them freely.
+  * `MOVED_KEYS`: keys that moved into a block, old name -> new dotted name. `migrate` moves them in
+    a stored config.json as it is read (so committed runs keep their identity and results), and
+    `check_no_moved_keys` refuses them, naming the new key, in a config a user sets.
   * `program_keys(config)`: the config values that shape a round's compiled program, the key of the
     strategy 'auto' measured (`core/autotune.py`): evaluation, bookkeeping and values that enter the
     program as numbers of the same shape (seed, lr, rounds) are left out, so that the seeds and
@@ -18,17 +21,28 @@ from typing import Any, Dict
 import ml_collections
 
 from fedjax_ssl import algorithms
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl import ssl
 
 NEUTRAL_KEYS = ('checkpoint_every', 'eval_every')
 
 # Keys a config ignores given its other values: left out of `run_key` (centralized training under
 # the IID and the Dirichlet column is the same run). The config blocks of the algorithms not
-# configured are left out too.
+# configured are left out too, and those of the objectives not configured.
 UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
     'sc_mu': lambda c: c.ssl_method != 'sc',
 }
+
+# Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'
+# blocks; issue 48: the objectives' own keys into theirs).
+MOVED_KEYS = {'dapu_threshold': 'fedu.dapu_threshold',
+              'autoscaler_tau': 'fedema.autoscaler_tau',
+              'independent_init': 'independent.independent_init',
+              'temperature': 'simclr.temperature',
+              'nt_xent_zero_diagonal': 'simclr.zero_diagonal',
+              'ema_tau': 'byol.ema_tau'}
 
 _NOT_PROGRAM_KEYS = ('seed', 'rounds', 'lr', 'eval_every', 'checkpoint_every', 'data_dir',
                      'strategy', 'map_chunk_size', 'knn_k', 'knn_temperature', 'knn_k_small',
@@ -45,7 +59,28 @@ def run_key(config: ml_collections.ConfigDict) -> str:
   for name in algorithms.names():
     if name != config.algorithm:
       d.pop(name, None)
+  for name in ssl.names():
+    if name != config.ssl_method:
+      d.pop(name, None)
   return json.dumps(d, sort_keys=True, default=str)
+
+
+def migrate(saved: Dict[str, Any]) -> Dict[str, Any]:
+  """A stored config dict (config.json) with its MOVED_KEYS moved into their blocks."""
+  saved = dict(saved)
+  for old, new in MOVED_KEYS.items():
+    if old in saved:
+      block, key = new.split('.')
+      saved[block] = dict(saved.get(block, {}), **{key: saved.pop(old)})
+  return saved
+
+
+def check_no_moved_keys(config: ml_collections.ConfigDict) -> None:
+  """ConfigError naming the new key for a moved key that `config` sets."""
+  for old, new in MOVED_KEYS.items():
+    if old in config:
+      raise cv.ConfigError(f'config.{old} is no longer a key: it moved to config.{new} (set '
+                           f'--config.{new}=... or c.{new} = ... instead)')
 
 
 def program_keys(config: ml_collections.ConfigDict) -> Dict[str, Any]:

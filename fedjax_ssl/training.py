@@ -344,7 +344,7 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   plotting.plot_metrics(
       records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
-      hlines={k: {'random-init encoder': random_init[k]} for k in accs if k in random_init})
+      hlines=_reference_lines(accs, random_init, raw_pixels))
   if 'test_acc' in final:
     say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '
         f'{random_init.get("test_acc", float("nan")):.4f}')
@@ -445,6 +445,19 @@ def reference_evaluations(config, reference_cache: str | None = None,
     raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
                                         shared_dir=reference_cache)
   return memo[key], raw_pixels
+
+
+def _reference_lines(keys, random_init: dict, raw_pixels) -> dict:
+  """{metric: {label: value}}: the random-init encoder and (where measured) raw pixels, the dashed
+  lines of metrics.png's accuracy panels."""
+  lines = {}
+  for key in keys:
+    refs = {'random-init encoder': random_init.get(key),
+            'raw pixels': (raw_pixels or {}).get(key)}
+    refs = {label: value for label, value in refs.items() if isinstance(value, (int, float))}
+    if refs:
+      lines[key] = refs
+  return lines
 
 
 def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: pathlib.Path,

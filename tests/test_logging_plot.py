@@ -196,3 +196,16 @@ def test_plot_metrics_errors(tmp_path):
   with pytest.raises(ValueError, match=r"hlines keys \['acc'\]"):
     plot_metrics(_records(), str(tmp_path / 'x.png'), keys=['loss'], hlines={'acc': {'a': 1.0}})
 
+
+
+def test_metrics_png_draws_the_random_init_and_raw_pixel_references():
+  """The accuracy panels get both reference lines where both were measured; raw pixels are absent
+  on the synthetic set (None) and have no kNN-monitor-only keys."""
+  from fedjax_ssl import training
+  lines = training._reference_lines(['knn_acc', 'probe_acc', 'test_acc'],
+                                    {'knn_acc': 0.75, 'probe_acc': 0.82},
+                                    {'knn_acc': 0.81, 'probe_acc': 0.84, 'probe_acc_draws': [0.8]})
+  assert lines == {'knn_acc': {'random-init encoder': 0.75, 'raw pixels': 0.81},
+                   'probe_acc': {'random-init encoder': 0.82, 'raw pixels': 0.84}}
+  assert training._reference_lines(['knn_acc'], {'knn_acc': 0.75}, None) == {
+      'knn_acc': {'random-init encoder': 0.75}}

@@ -77,6 +77,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.batch_size = 128
   c.lr = 0.1
   c.weight_decay = 0.0
-  c.temperature = 0.2
+  c.simclr.temperature = 0.2
   c.checkpoint_every = 5
   return c

@@ -97,7 +97,7 @@ def get_table(scale: str) -> reproduce.Table:
     c.batch_size = 64
     c.lr = 0.05
     c.weight_decay = 0.0
-    c.ema_tau = 0.96
+    c.byol.ema_tau = 0.96
     c.checkpoint_every = 5
   elif scale == 'evidence':
     c.train_size = 20000
@@ -108,8 +108,8 @@ def get_table(scale: str) -> reproduce.Table:
     c.batch_size = 128
     c.lr = 0.1
     c.weight_decay = 0.0
-    c.temperature = 0.2
-    c.ema_tau = 0.96
+    c.simclr.temperature = 0.2
+    c.byol.ema_tau = 0.96
     c.eval_every = 10
     c.checkpoint_every = 10
   elif scale == 'paper':
@@ -118,7 +118,7 @@ def get_table(scale: str) -> reproduce.Table:
     c.batch_size = 128
     c.lr = 0.032
     c.weight_decay = 5e-4
-    c.ema_tau = 0.99
+    c.byol.ema_tau = 0.99
     c.probe = 'adam'             # EasyFL's probe, as the FedSSL papers report
     c.probe_epochs = 100
     c.eval_every = 10

@@ -30,8 +30,8 @@ def paper_base(dataset: str = 'cifar10'):
   c.momentum = 0.9
   c.weight_decay = 1e-4
   c.lr_schedule = 'constant'
-  c.temperature = 0.07
-  c.ema_tau = 0.99
+  c.simclr.temperature = 0.07
+  c.byol.ema_tau = 0.99
   c.probe = 'adam'               # the paper's probe, to compare with its numbers
   c.probe_epochs = 200
   c.eval_every = 10
@@ -55,8 +55,8 @@ def quick_base():
   c.lr = 0.1
   c.weight_decay = 0.0
   c.lr_schedule = 'cosine'
-  c.temperature = 0.2
-  c.ema_tau = 0.99
+  c.simclr.temperature = 0.2
+  c.byol.ema_tau = 0.99
   c.eval_every = 5
   c.checkpoint_every = 5
   # The code's fixed server step (lr 8, a move of up to 16 in parameter norm) was sized for
@@ -82,7 +82,7 @@ def evidence_base():
 BASELINE_HPARAMS = {
     'byol': {'lr': 0.032, 'weight_decay': 5e-4},       # FedBYOL, FedU, FedEMA, FedDecorr, L-DAWA
     'simsiam': {'lr': 0.032, 'weight_decay': 5e-4},
-    'simclr': {'lr': 0.032, 'weight_decay': 1e-4, 'temperature': 0.07},
+    'simclr': {'lr': 0.032, 'weight_decay': 1e-4, 'simclr.temperature': 0.07},
 }
 # Baselines whose code sets its own, whatever the backbone (`src/mains/train_fedx.py`,
 # `train_fedorche.py`; Orchestra's own block, config.orchestra, keeps the release's clustering

@@ -42,7 +42,7 @@ kNN (+1.13) and > without EUA reversed on kNN (−1.11): EUA costs SimCLR kNN he
 Centralized SimCLR (all 20,000 images on one client, 50 epochs; 10 min a run): probe 85.85 ±
 0.18, kNN 80.53 ± 0.54, 1%-label kNN 73.17 ± 0.36, the only SimCLR row above raw pixels there; the
 FedSSL evidence table's `Centralized SimCLR (CL)` has the same numbers to the last digit (the
-configs differ only in keys a centralized SimCLR run does not read: alpha, ema_tau, fedu2.*).
+configs differ only in keys a centralized SimCLR run does not read: alpha, byol.ema_tau, fedu2.*).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce

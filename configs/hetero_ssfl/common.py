@@ -69,7 +69,7 @@ def paper_base(dataset='cifar10'):
   c.encoder = 'resnet34'
   c.heads = 'easyfl'
   c.augmentation = 'byol_easyfl'
-  c.ema_tau = 0.99
+  c.byol.ema_tau = 0.99
   c.optimizer = 'sgd'
   c.lr = 0.032
   c.momentum = 0.9
@@ -105,7 +105,7 @@ def quick_base():
   c.batch_size = 64
   c.lr = 0.05
   c.weight_decay = 0.0
-  c.ema_tau = 0.96
+  c.byol.ema_tau = 0.96
   c.checkpoint_every = 5
   c.hetero_ssfl.mu = 1.0
   c.hetero_ssfl.rad_batch = 250
@@ -116,6 +116,7 @@ def evidence_base():
   """quick_base at the quickstart's SimCLR budget (the module docstring says why SimCLR); the
   mix and the rows' mu come from the table (configs/hetero_ssfl/mu_sweep.py)."""
   c = quick_base()
-  c.update(dict(train_size=20000, ssl_method='simclr', temperature=0.2, rounds=EVIDENCE_ROUNDS,
+  c.simclr.temperature = 0.2
+  c.update(dict(train_size=20000, ssl_method='simclr', rounds=EVIDENCE_ROUNDS,
                 batch_size=128, lr=0.1, eval_every=10, checkpoint_every=10))
   return c

@@ -37,8 +37,8 @@ def select_tree(flag, a, b):
 
 def shared_subset(spec: ssl_client.ClientSpec, client) -> dict:
   """The online network every participant uploads: {'params', 'batch_stats'} restricted to the
-  method's shared modules."""
-  names = ssl_client.SHARED_MODULES[spec.method]
+  objective's shared modules."""
+  names = spec.objective.shared
   return {'params': {k: client['params'][k] for k in names if k in client['params']},
           'batch_stats': {k: client['batch_stats'][k] for k in names if k in client['batch_stats']}}
 
@@ -51,8 +51,9 @@ def adopt_global(spec: ssl_client.ClientSpec, client, glob, names) -> dict:
 
 
 def sync_target(spec: ssl_client.ClientSpec, client, reset) -> dict:
-  """BYOL: target <- online (encoder + projector) where `reset` (scalar bool), else keep."""
-  if spec.method != 'byol':
+  """Momentum target (BYOL): target <- online (encoder + projector) where `reset` (scalar bool),
+  else keep; a client without a target is returned as it is."""
+  if not spec.objective.target:
     return client
   fresh = ssl_client.target_from_online(client['params'], client['batch_stats'])
   return dict(client, target=select_tree(reset, fresh, client['target']))
@@ -71,7 +72,7 @@ def init_shared(spec: ssl_client.ClientSpec, key, num_clients):
 def classifier_apply(spec: ssl_client.ClientSpec):
   """(variables, x) -> logits of a supervised spec's whole Classifier in inference mode (None for
   SSL methods, which have no classifier)."""
-  if spec.method != 'supervised':
+  if not spec.objective.classifier:
     return None
   return lambda v, x: spec.model.apply(v, x, train=False)
 
@@ -90,7 +91,7 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       classifier_apply=classifier_apply(spec),
-      ragged_batches=spec.method == 'sc',
+      ragged_batches=spec.objective.ragged_batches,
       global_model=ONLINE_PARAMS,
   )
 
@@ -110,7 +111,7 @@ def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) 
   whether it was ever set ('keep'). Supervised FedAvg, FedSimCLR and FedSimSiam with the reset keep
   {}: nothing is stored per client.
   """
-  names = ssl_client.SHARED_MODULES[spec.method]
+  names = spec.objective.shared
   out = {}
   for field in ('params', 'batch_stats'):
     if _private(client[field], names):
@@ -124,7 +125,7 @@ def kept_local_state(spec: ssl_client.ClientSpec, client, byol_target_sync: str)
   out = {}
   if not spec.reset_optimizer:
     out['opt_state'] = client['opt_state']
-  if spec.method == 'byol' and byol_target_sync == 'keep':
+  if spec.objective.target and byol_target_sync == 'keep':
     out['target'] = client['target']
     out['extras'] = {'participated': client['extras']['participated']}
   return out
@@ -141,7 +142,7 @@ def rebuild_client(spec: ssl_client.ClientSpec, stored: dict, msg) -> dict:
   client = {'params': params, 'batch_stats': batch_stats,
             'opt_state': stored['opt_state'] if 'opt_state' in stored else spec.tx.init(params),
             'extras': stored.get('extras', {'participated': jnp.zeros((), jnp.float32)})}
-  if spec.method == 'byol':
+  if spec.objective.target:
     client['target'] = (stored['target'] if 'target' in stored
                         else ssl_client.target_from_online(params, batch_stats))
   return client
@@ -158,7 +159,7 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
   if byol_target_sync not in BYOL_TARGET_SYNC:
     raise ValueError(f'byol_target_sync = {byol_target_sync!r} is invalid: must be one of '
                      f'{BYOL_TARGET_SYNC}')
-  names = ssl_client.SHARED_MODULES[spec.method]
+  names = spec.objective.shared
 
   def begin(client, msg, key):
     del key

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
+from fedjax_ssl import ssl
 from fedjax_ssl.algorithms import fedavg, hetero_ssfl, registry, ssl_client
 from fedjax_ssl.core.algorithm import Algorithm, Stateless, replicate, weighted_mean
 from fedjax_ssl.data import augment
@@ -39,7 +40,7 @@ from fedjax_ssl.ops import fedca as ops
 
 METHODS = ('simclr',)
 DICT_LOSSES = ('code', 'negatives')
-SHARED = ssl_client.SHARED_MODULES['simclr']
+SHARED = ssl.get('simclr').shared
 # fold_in tags inside a step key (the views use the key itself) and inside the upload key.
 NEGATIVES_STREAM = 0xfca0
 ALIGN_STREAM = 0xfca1

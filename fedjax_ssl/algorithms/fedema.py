@@ -24,7 +24,6 @@ from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
-METHODS = ('byol', 'simsiam')
 _ONLINE = ('encoder', 'projector')
 
 
@@ -34,9 +33,8 @@ def mix(local, glob, mu):
 
 
 def make(spec: ssl_client.ClientSpec, *, autoscaler_tau: float = 0.7) -> Algorithm:
-  if spec.method not in METHODS:
-    raise ValueError(f'FedEMA needs a predictor: ssl_method = {spec.method!r} is invalid, must be '
-                     f'one of {METHODS}')
+  if not spec.objective.predictor:
+    raise ValueError(f'FedEMA needs a predictor: ssl_method = {spec.method!r} has none')
   if autoscaler_tau <= 0:
     raise ValueError(f'fedema.autoscaler_tau = {autoscaler_tau} is invalid: must be > 0')
 
@@ -91,5 +89,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               autoscaler_tau=config.fedema.autoscaler_tau)
 
 
-registry.register('fedema', build, defaults=config_block, validate=validate, methods=METHODS,
-                  methods_note='needs a predictor', doc='FedEMA, divergence-scaled EMA update')
+registry.register('fedema', build, defaults=config_block, validate=validate, needs=('predictor',),
+                  doc='FedEMA, divergence-scaled EMA update')

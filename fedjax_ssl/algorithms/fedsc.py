@@ -136,7 +136,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
                                ('alpha_schedule', alpha_schedule, ALPHA_SCHEDULES)):
     if value not in allowed:
       raise ValueError(f'{name} = {value!r} is invalid: must be one of {allowed}')
-  names = ssl_client.SHARED_MODULES['sc']
+  names = spec.objective.shared
   sqrt_mu = None if mu is None else float(np.sqrt(mu))
   h = spec.model.projector.out
 
@@ -200,7 +200,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
 
   def local_step(client, batch, key, msg, lr):
     shared = (msg['alpha'], msg['r_other']) if share else None
-    return ssl_client.local_step(spec, client, batch, key, msg, lr, sc_shared=shared)
+    return ssl_client.local_step(spec, client, batch, key, msg, lr, shared=shared)
 
   def aggregate(server, payloads, weights, ids):
     if model_weights == 'uniform':
@@ -386,8 +386,8 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
   if f.share and f.dp and info.client_sizes is None:
     raise ValueError('FedSC with fedsc.dp = True needs DataInfo.client_sizes (fed_data.n) for its '
                      'ledger')
-  spec = dataclasses.replace(ssl_client.spec_from_config(config, info),
-                             sc_scale=0.5 if f.paper_scale else 1.0)
+  spec = ssl_client.spec_from_config(config, info)
+  spec = dataclasses.replace(spec, hparams=dict(spec.hparams, scale=0.5 if f.paper_scale else 1.0))
   sigma, ledger, _ = privacy_plan(config, info.client_sizes)
   return make(spec, num_rounds=config.rounds, share=f.share, share_start=f.share_start,
               share_every=f.share_every, alpha_schedule=f.alpha_schedule,

@@ -17,13 +17,9 @@ from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.algorithms.divergence import conv_divergence
 
-METHODS = ('byol', 'simsiam')
-
-
 def make(spec: ssl_client.ClientSpec, *, dapu_threshold: float = 0.4) -> Algorithm:
-  if spec.method not in METHODS:
-    raise ValueError(f'FedU needs a predictor: ssl_method = {spec.method!r} is invalid, must be one '
-                     f'of {METHODS}')
+  if not spec.objective.predictor:
+    raise ValueError(f'FedU needs a predictor: ssl_method = {spec.method!r} has none')
   if dapu_threshold <= 0:
     raise ValueError(f'fedu.dapu_threshold = {dapu_threshold} is invalid: must be > 0')
 
@@ -65,5 +61,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
   return make(ssl_client.spec_from_config(config, info), dapu_threshold=config.fedu.dapu_threshold)
 
 
-registry.register('fedu', build, defaults=config_block, validate=validate, methods=METHODS,
-                  methods_note='needs a predictor', doc='FedU, divergence-aware predictor update')
+registry.register('fedu', build, defaults=config_block, validate=validate, needs=('predictor',),
+                  doc='FedU, divergence-aware predictor update')

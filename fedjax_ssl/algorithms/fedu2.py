@@ -37,7 +37,6 @@ from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, weighted_mean
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import min_norm, uot
 
-METHODS = ('byol', 'simsiam', 'simclr')
 EUA_DIRECTIONS = ('code', 'paper')
 EUA_SCOPES = ('whole_model', 'online')
 EUA_STEPS = ('fixed', 'deviation')
@@ -139,16 +138,17 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
   The server state is the global model {'params', 'batch_stats'[, 'target']} plus 'eua', the last
   round's diagnostics {'p', 'deviation' [clients_per_round], 'step_norm'}.
   """
-  for key, value, allowed in (('method', spec.method, METHODS),
-                              ('eua_direction', eua_direction, EUA_DIRECTIONS),
+  if spec.objective.classifier:
+    raise ValueError(f'FedU2 regularises a projector: ssl_method = {spec.method!r} has none')
+  for key, value, allowed in (('eua_direction', eua_direction, EUA_DIRECTIONS),
                               ('eua_solver', eua_solver, min_norm.METHODS),
                               ('eua_scope', eua_scope, EUA_SCOPES),
                               ('eua_step', eua_step, EUA_STEPS),
                               ('byol_target_sync', byol_target_sync, fedavg.BYOL_TARGET_SYNC)):
     if value not in allowed:
       raise ValueError(f'fedu2.{key} = {value!r} is invalid: must be one of {allowed}')
-  names = ssl_client.SHARED_MODULES[spec.method]
-  global_target = eua_scope == 'whole_model' and spec.method == 'byol'
+  names = spec.objective.shared
+  global_target = eua_scope == 'whole_model' and spec.objective.target
   m = clients_per_round
 
   def upload(client):
@@ -275,5 +275,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               byol_target_sync=config.byol_target_sync)
 
 
-registry.register('fedu2', build, defaults=config_block, validate=validate, methods=METHODS,
+registry.register('fedu2', build, defaults=config_block, validate=validate, needs=('projector',),
                   doc='FUR on the clients, EUA on the server (Liao et al., CVPR 2024)')

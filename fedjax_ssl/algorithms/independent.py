@@ -40,7 +40,7 @@ def make(spec: ssl_client.ClientSpec, *, independent_init: bool = True) -> Algor
                                                           train=False),
       personalized=True,
       classifier_apply=fedavg.classifier_apply(spec),
-      ragged_batches=spec.method == 'sc',
+      ragged_batches=spec.objective.ragged_batches,
   )
 
 

@@ -13,6 +13,11 @@ for cross-key rules of the algorithm; `dataset_info` is the `data.info.DatasetIn
 loading, or None. The runner knows algorithms only through this registry: it never compares
 `config.algorithm` with a name.
 
+Which objectives (`config.ssl_method`, `fedjax_ssl.ssl`) an algorithm accepts: `needs` names the
+capabilities it requires of one (a 'projector', a 'predictor', a momentum 'target'), so a
+researcher's own objective runs under every algorithm it fits; `methods` names the objectives an
+algorithm is tied to (FedSC's correlation matrices, FedCA's dictionary of NT-Xent), or None.
+
 `build` also puts the configured server optimizer (`config.server_optimizer`, core/server_opt.py) on
 the algorithm's global model; an entry registered with `global_model=False` (personalised methods)
 refuses any other than plain aggregation.
@@ -25,7 +30,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 import ml_collections
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl.algorithms.ssl_client import SSL_METHODS
+from fedjax_ssl import ssl
 from fedjax_ssl.core import server_opt
 
 
@@ -54,7 +59,9 @@ class Entry:
     defaults: () -> ConfigDict, the config block `config.<name>` with its defaults.
     validate: (config, DatasetInfo | None) -> None, raising ConfigError; None = nothing to check
       beyond the block's keys and `methods`.
-    methods: the `config.ssl_method` values the algorithm accepts.
+    methods: the `config.ssl_method` values the algorithm accepts, or None: any registered
+      objective with the capabilities `needs`.
+    needs: capabilities (`ssl.CAPABILITIES`) the algorithm requires of the objective.
     exclusive: keys of the block that only mean something with this algorithm: another algorithm
       refuses them at a non-default value (e.g. Hetero-SSFL's architecture mix).
     encoders: config -> [(config key, encoder name)], the encoders the run builds (default:
@@ -69,7 +76,8 @@ class Entry:
   build: Callable[[ml_collections.ConfigDict, Any], Any]
   defaults: Callable[[], ml_collections.ConfigDict]
   validate: Optional[Callable[[ml_collections.ConfigDict, Any], None]] = None
-  methods: Tuple[str, ...] = SSL_METHODS
+  methods: Optional[Tuple[str, ...]] = None
+  needs: Tuple[str, ...] = ()
   exclusive: Tuple[str, ...] = ()
   encoders: Optional[Callable[[ml_collections.ConfigDict], Sequence[Tuple[str, str]]]] = None
   doc: str = ''
@@ -91,7 +99,8 @@ def _origin(fn: Callable) -> Tuple[str, str]:
 
 
 def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
-             validate: Optional[Callable] = None, methods: Sequence[str] = SSL_METHODS,
+             validate: Optional[Callable] = None, methods: Optional[Sequence[str]] = None,
+             needs: Sequence[str] = (),
              exclusive: Sequence[str] = (), encoders: Optional[Callable] = None,
              doc: str = '', methods_note: str = '', plan: Optional[Callable] = None,
              global_model: bool = True) -> Entry:
@@ -104,16 +113,19 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
   if not name.isidentifier():
     raise ValueError(f'algorithm name {name!r} is invalid: must be a Python identifier (it is the '
                      'key of its config block, config.<name>)')
-  bad = [m for m in methods if m not in SSL_METHODS]
-  if bad or not methods:
-    raise ValueError(f'methods = {tuple(methods)!r} of algorithm {name!r} is invalid: must be a '
-                     f'non-empty subset of {SSL_METHODS}')
+  if methods is not None and (not methods or any(m not in ssl.names() for m in methods)):
+    raise ValueError(f'methods = {tuple(methods)!r} of algorithm {name!r} is invalid: must be None '
+                     f'or a non-empty subset of the registered objectives {ssl.names()}')
+  if any(n not in ssl.CAPABILITIES for n in needs):
+    raise ValueError(f'needs = {tuple(needs)!r} of algorithm {name!r} is invalid: each must be one '
+                     f'of {ssl.CAPABILITIES}')
   old = _REGISTRY.get(name)
   if old is not None and _origin(old.build) != _origin(build):
     raise ValueError(f'algorithm {name!r} is already registered (build {_origin(old.build)[0]} in '
                      f'{_origin(old.build)[1]}); choose another name')
   entry = Entry(name=name, build=build, defaults=defaults or _empty_block, validate=validate,
-                methods=tuple(methods), exclusive=tuple(exclusive), encoders=encoders, doc=doc,
+                methods=None if methods is None else tuple(methods), needs=tuple(needs),
+                exclusive=tuple(exclusive), encoders=encoders, doc=doc,
                 methods_note=methods_note, plan=plan, global_model=global_model)
   _REGISTRY[name] = entry
   return entry
@@ -136,10 +148,7 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
   algorithm's exclusive keys set."""
   entry = get(config.algorithm)
   cv.check_known_keys(config[entry.name], entry.defaults(), prefix=f'config.{entry.name}')
-  if config.ssl_method not in entry.methods:
-    raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for algorithm '
-                         f'{entry.name!r}: must be one of {entry.methods}'
-                         + (f' ({entry.methods_note})' if entry.methods_note else ''))
+  check_objective(entry, config.ssl_method)
   for other in _REGISTRY.values():
     if other.name == entry.name or other.name not in config:
       continue
@@ -155,6 +164,26 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
                          "no global model to step; use 'sgd' with server_lr = 1.0")
   if entry.validate is not None:
     entry.validate(config, dataset_info)
+
+
+def check_objective(entry: Entry, name: str) -> None:
+  """ConfigError unless algorithm `entry` accepts the objective `name` (its `methods` and `needs`)."""
+  if entry.methods is not None and name not in entry.methods:
+    raise cv.ConfigError(f'config.ssl_method = {name!r} is invalid for algorithm {entry.name!r}: '
+                         f'must be one of {entry.methods}'
+                         + (f' ({entry.methods_note})' if entry.methods_note else ''))
+  lacking = ssl.registry.lacking(ssl.get(name), entry.needs)
+  if lacking:
+    raise cv.ConfigError(f'config.ssl_method = {name!r} is invalid for algorithm {entry.name!r}: '
+                         f'it needs an objective with a {" and a ".join(lacking)}, which {name!r} '
+                         f'has not (objectives that have: '
+                         f'{", ".join(ssl.registry.with_capabilities(entry.needs))})')
+
+
+def accepted_objectives(entry: Entry) -> Tuple[str, ...]:
+  """The registered objectives algorithm `entry` accepts."""
+  candidates = ssl.names() if entry.methods is None else entry.methods
+  return tuple(n for n in candidates if not ssl.registry.lacking(ssl.get(n), entry.needs))
 
 
 def encoders(config: ml_collections.ConfigDict) -> Sequence[Tuple[str, str]]:

@@ -1,18 +1,19 @@
 """What every SSL (or supervised) client does locally, shared by the FedAvg family, FedU, FedEMA,
 FedU2, FedSC, independent and centralized training: the model, the two-view augmentation, the loss, one
-optimiser step, and the BYOL EMA target.
+optimiser step, and the momentum target (BYOL)'s EMA. The loss is the objective's (`fedjax_ssl.ssl`).
 
 A client state is a dict:
   params       online parameters {'encoder', 'projector', 'predictor'} (SSL) or {'encoder', 'head'}
   batch_stats  BatchNorm running statistics of the same modules ({} for BN-free encoders)
   opt_state    optax state of `spec.tx` over `params`
-  target       BYOL only: {'params': {'encoder', 'projector'}, 'batch_stats': ...}, EMA of online
+  target       objectives with a momentum target (BYOL): {'params': {'encoder', 'projector'},
+               'batch_stats': ...}, EMA of online
   extras       algorithm bookkeeping (e.g. 'participated', 'divergence', 'scaler'), float32 scalars
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -21,37 +22,27 @@ import ml_collections
 import optax
 
 from fedjax_ssl import models
+from fedjax_ssl import ssl
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ssl import losses
-
-SSL_METHODS = ('byol', 'simsiam', 'simclr', 'sc', 'supervised')
-
-# Top-level parameter groups each method averages across clients (FedAvg) — the online network.
-SHARED_MODULES = {
-    'byol': ('encoder', 'projector', 'predictor'),
-    'simsiam': ('encoder', 'projector', 'predictor'),
-    'simclr': ('encoder', 'projector'),
-    'sc': ('encoder', 'projector'),
-    'supervised': ('encoder', 'head'),
-}
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClientSpec:
   """Static description of a client's local learning problem (closed over by the jitted step).
 
   Attributes:
-    method: one of SSL_METHODS.
-    model: flax module; SSLModel for SSL methods, Classifier for 'supervised'.
+    objective: the registered objective (`fedjax_ssl.ssl.registry.Objective`, or its name):
+      views, heads, target network, shared modules and loss.
+    model: flax module; SSLModel for SSL objectives, Classifier for a `classifier` objective.
     tx: unit-learning-rate optax transformation (core.optim.make_optimizer).
     aug: augmentation applied to each view (supervised: to the single view).
     mean, std: per-channel normalisation after augmentation.
     input_shape: (H, W, C) of the model input (after augmentation).
-    temperature: NT-Xent temperature (SimCLR).
-    nt_xent_zero_diagonal: the FedU2 code's zero-diagonal NT-Xent quirk.
-    ema_tau: BYOL target EMA rate, target <- tau * target + (1 - tau) * online after every step.
+    hparams: the objective's hyper-parameters (`Objective.hyperparameters(config)`), over the
+      defaults of its config block; a target objective's 'ema_tau' is the EMA rate,
+      target <- tau * target + (1 - tau) * online after every step.
     reset_optimizer: re-create the optimiser state at the start of every round (EasyFL, FedSC).
     feature_regularizer: optional (z [B, dz], key) -> scalar, already weighted, added to an SSL
       loss once per view on the online representation `regularized` (FedU2's lambda_u * FUR,
@@ -59,26 +50,29 @@ class ClientSpec:
       do not use, so a spec without one computes exactly what it did before.
     regularized: which online output feature_regularizer sees: 'z' the projector output (FUR) or
       'h' the backbone features (FedDecorr).
-    sc_mu: NormClip level mu of the spectral contrastive loss ('sc'; the FedSC code clips inside
-      the training loss, A4), or None for no clip.
-    sc_scale: factor on the SC loss: 1 = the FedSC code's scale (2 x the paper's batch loss), 0.5 =
-      the paper's.
   """
-  method: str
+  objective: ssl.Objective
   model: nn.Module
   tx: optax.GradientTransformation
   aug: augment.AugmentConfig
   mean: Tuple[float, ...]
   std: Tuple[float, ...]
   input_shape: Tuple[int, int, int]
-  temperature: float = 0.5
-  nt_xent_zero_diagonal: bool = False
-  ema_tau: float = 0.99
+  hparams: Optional[Mapping[str, Any]] = None
   reset_optimizer: bool = True
   feature_regularizer: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
   regularized: str = 'z'
-  sc_mu: Optional[float] = None
-  sc_scale: float = 1.0
+
+  def __post_init__(self):
+    objective = ssl.get(self.objective) if isinstance(self.objective, str) else self.objective
+    object.__setattr__(self, 'objective', objective)
+    object.__setattr__(self, 'hparams',
+                       {**objective.defaults().to_dict(), **dict(self.hparams or {})})
+
+  @property
+  def method(self) -> str:
+    """The objective's name (`config.ssl_method`)."""
+    return self.objective.name
 
 # fold_in tag of the feature regularizer's keys inside a step key.
 REGULARIZER_STREAM = 0x5e6
@@ -92,13 +86,13 @@ def init_client(spec: ClientSpec, key: jax.Array) -> Dict[str, Any]:
   batch_stats = variables.get('batch_stats', {})
   state = {'params': params, 'batch_stats': batch_stats, 'opt_state': spec.tx.init(params),
            'extras': {'participated': jnp.zeros((), jnp.float32)}}
-  if spec.method == 'byol':
+  if spec.objective.target:
     state['target'] = target_from_online(params, batch_stats)
   return state
 
 
 def target_from_online(params, batch_stats) -> Dict[str, Any]:
-  """BYOL target network = copy of the online encoder + projector (no predictor)."""
+  """Momentum target network (BYOL) = copy of the online encoder + projector (no predictor)."""
   keep = ('encoder', 'projector')
   return {'params': {k: params[k] for k in keep if k in params},
           'batch_stats': {k: batch_stats[k] for k in keep if k in batch_stats}}
@@ -118,39 +112,38 @@ def apply_train(model, params, batch_stats, x, **kw):
   return out, updates.get('batch_stats', {})
 
 
-def loss_fn(spec: ClientSpec, params, client, batch, key, sc_shared=None
+def loss_fn(spec: ClientSpec, params, client, batch, key, shared=None
             ) -> Tuple[jax.Array, Tuple[Any, Any]]:
   """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats).
 
-  sc_shared: for 'sc', None (FedAvg+SC: the local SC loss) or (alpha scalar, R_other [H, H]), the
-  FedSC inter-client term (alpha = 1 with R_other = 0 is the local loss, exactly).
+  The objective's views are forwarded through the online model in order (each forward updates the
+  running statistics once), then through the momentum target when the objective has one.
+  shared: what the algorithm hands the objective's loss (FedSC: (alpha scalar, R_other [H, H]);
+  alpha = 1 with R_other = 0 is the local loss, exactly), or None.
   """
+  objective = spec.objective
   bs = client['batch_stats']
-  if spec.method == 'supervised':
-    (x,) = _views(spec, key, batch['x'], 1)
-    logits, bs = apply_train(spec.model, params, bs, x)
-    return losses.cross_entropy_loss(logits, batch['y']), (bs, None)
-  v1, v2 = _views(spec, key, batch['x'], 2)
-  with_pred = spec.method in ('byol', 'simsiam')
-  o1, bs = apply_train(spec.model, params, bs, v1, with_predictor=with_pred)
-  o2, bs = apply_train(spec.model, params, bs, v2, with_predictor=with_pred)
-  reg = _view_regularizer(spec, (o1[spec.regularized], o2[spec.regularized]), key)
-  if spec.method == 'sc':
-    alpha, r_other = sc_shared if sc_shared is not None else (1.0, None)
-    sc = losses.spectral_contrastive_loss(o1['z'], o2['z'], alpha=alpha, r_global=r_other,
-                                          mu=spec.sc_mu, mask=batch.get('mask'))
-    return reg + spec.sc_scale * sc, (bs, None)
-  if spec.method == 'simclr':
-    return reg + losses.nt_xent(o1['z'], o2['z'], spec.temperature,
-                                zero_diagonal=spec.nt_xent_zero_diagonal), (bs, None)
-  if spec.method == 'simsiam':
-    return reg + losses.simsiam_loss(o1['p'], o2['p'], o1['z'], o2['z']), (bs, None)
+  views = _views(spec, key, batch['x'], objective.views)
+  if objective.classifier:
+    outputs = []
+    for v in views:
+      logits, bs = apply_train(spec.model, params, bs, v)
+      outputs.append(logits)
+    return objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None)
+  outputs = []
+  for v in views:
+    out, bs = apply_train(spec.model, params, bs, v, with_predictor=objective.predictor)
+    outputs.append(out)
+  reg = _view_regularizer(spec, [o[spec.regularized] for o in outputs], key)
+  if not objective.target:
+    return reg + objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None)
   target = client['target']
   tbs = target['batch_stats']
-  t1, tbs = apply_train(spec.model, target['params'], tbs, v1, with_predictor=False)
-  t2, tbs = apply_train(spec.model, target['params'], tbs, v2, with_predictor=False)
-  t1, t2 = jax.lax.stop_gradient(t1['z']), jax.lax.stop_gradient(t2['z'])
-  return reg + losses.byol_loss(o1['p'], o2['p'], t1, t2), (bs, tbs)
+  targets = []
+  for v in views:
+    t, tbs = apply_train(spec.model, target['params'], tbs, v, with_predictor=False)
+    targets.append({'z': jax.lax.stop_gradient(t['z'])})
+  return reg + objective.loss(spec.hparams, outputs, targets, batch, shared), (bs, tbs)
 
 
 def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
@@ -161,25 +154,26 @@ def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
   return sum(spec.feature_regularizer(z, k) for z, k in zip(zs, keys))
 
 
-def local_step(spec: ClientSpec, client, batch, key, msg, lr, sc_shared=None,
+def local_step(spec: ClientSpec, client, batch, key, msg, lr, shared=None,
                extra_loss: Optional[Callable[[Any], jax.Array]] = None
                ) -> Tuple[Dict[str, Any], jax.Array]:
-  """One SGD/Adam step on one batch (and the BYOL target EMA update after it).
+  """One SGD/Adam step on one batch (and the momentum target's EMA update after it).
 
+  shared: handed to the objective's loss (`loss_fn`).
   extra_loss: optional params -> scalar added to the loss inside the gradient (Hetero-SSFL's
     mu * CKA term on the RAD); the step is otherwise the method's own.
   """
   del msg
 
   def total(p):
-    loss, aux = loss_fn(spec, p, client, batch, key, sc_shared)
+    loss, aux = loss_fn(spec, p, client, batch, key, shared)
     return (loss if extra_loss is None else loss + extra_loss(p)), aux
   (loss, (bs, tbs)), grads = jax.value_and_grad(total, has_aux=True)(client['params'])
   new = apply_gradients(spec, client, grads, lr, batch_stats=bs)
-  if spec.method == 'byol':
+  if spec.objective.target:
     online = target_from_online(new['params'], bs)
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
-                                                 spec.ema_tau),
+                                                 spec.hparams['ema_tau']),
                      'batch_stats': tbs}
   return new, loss
 
@@ -234,12 +228,12 @@ def heads_from_config(config: ml_collections.ConfigDict, with_predictor: bool
 def model_from_config(config: ml_collections.ConfigDict, num_classes: int, encoder: str = ''
                       ) -> nn.Module:
   """The client model around `encoder` (default config.encoder): an SSLModel with the configured
-  heads, or a Classifier for ssl_method 'supervised'."""
+  heads, or a Classifier for a classifier objective (ssl_method 'supervised')."""
   module = encoder_from_config(config, encoder)
-  if config.ssl_method == 'supervised':
+  objective = ssl.get(config.ssl_method)
+  if objective.classifier:
     return models.Classifier(module, num_classes, dtype=models.compute_dtype(config.precision))
-  with_predictor = config.ssl_method in ('byol', 'simsiam')
-  return models.SSLModel(module, *heads_from_config(config, with_predictor))
+  return models.SSLModel(module, *heads_from_config(config, objective.predictor))
 
 
 def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder: str = ''
@@ -250,9 +244,9 @@ def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder:
   h, w, c = info.image_shape
   tx = optim.make_optimizer(config.optimizer, momentum=config.momentum, nesterov=config.nesterov,
                             weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
+  objective = ssl.get(config.ssl_method)
   return ClientSpec(
-      method=config.ssl_method, model=model_from_config(config, info.num_classes, encoder), tx=tx,
+      objective=objective, model=model_from_config(config, info.num_classes, encoder), tx=tx,
       aug=augment.preset(config.augmentation, h), mean=tuple(info.mean), std=tuple(info.std),
-      input_shape=(h, w, c), temperature=config.temperature,
-      nt_xent_zero_diagonal=config.nt_xent_zero_diagonal, ema_tau=config.ema_tau,
-      reset_optimizer=config.reset_optimizer, sc_mu=float(config.sc_mu) or None)
+      input_shape=(h, w, c), hparams=objective.hyperparameters(config),
+      reset_optimizer=config.reset_optimizer)

@@ -19,18 +19,24 @@ from fedjax_ssl.models import layers
 
 
 class MLPHead(nn.Module):
-  """Dense(hidden) -> [BatchNorm] -> ReLU -> Dense(out): [B, din] -> [B, out] (at least float32)."""
+  """(Dense(hidden) -> [BatchNorm] -> ReLU) x (depth - 1) -> Dense(out): [B, din] -> [B, out] (at
+  least float32). depth 2 is the BYOL / SimCLR head; 3 the VICReg / Barlow Twins expander."""
   hidden: int
   out: int
   use_bn: bool = True
   dtype: Optional[Any] = None
+  depth: int = 2
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-    x = layers.Dense(self.hidden, dtype=self.dtype, name='fc1')(x)
-    if self.use_bn:
-      x = layers.BatchNorm(use_running_average=not train, dtype=self.dtype, name='bn')(x)
-    return layers.as_float(layers.Dense(self.out, dtype=self.dtype, name='fc2')(nn.relu(x)))
+    # The first hidden block keeps the names 'fc1' / 'bn' of the two-layer head (checkpoints).
+    for i in range(self.depth - 1):
+      suffix = '' if i == 0 else f'_{i + 1}'
+      x = layers.Dense(self.hidden, dtype=self.dtype, name=f'fc1{suffix}')(x)
+      if self.use_bn:
+        x = layers.BatchNorm(use_running_average=not train, dtype=self.dtype, name=f'bn{suffix}')(x)
+      x = nn.relu(x)
+    return layers.as_float(layers.Dense(self.out, dtype=self.dtype, name='fc2')(x))
 
 
 # Head sizes of the reference codes (projector, predictor), all taking the 512-d backbone output
@@ -38,6 +44,7 @@ class MLPHead(nn.Module):
 #   easyfl: EasyFL BYOL/SimSiam (Hetero-SSFL, FedU, FedEMA baselines) 512-4096(BN)-2048, 2048-4096(BN)-2048
 #   fedu2:  FedU2 code, 512-2048(BN)-512 for both
 #   fedsc:  FedSC code, projector 512-1024-512 without BN; BYOL-family predictor 512-1024-512 without BN
+#   wide8192: VICReg / Barlow Twins code, 512-8192(BN)-8192(BN)-8192
 HEAD_PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
     'easyfl': {'projector': dict(hidden=4096, out=2048, use_bn=True),
                'predictor': dict(hidden=4096, out=2048, use_bn=True)},
@@ -45,6 +52,10 @@ HEAD_PRESETS: Dict[str, Dict[str, Dict[str, object]]] = {
               'predictor': dict(hidden=2048, out=512, use_bn=True)},
     'fedsc': {'projector': dict(hidden=1024, out=512, use_bn=False),
               'predictor': dict(hidden=1024, out=512, use_bn=False)},
+    # VICReg's and Barlow Twins' expander at paper scale (their released code: 8192-8192-8192, BN
+    # and ReLU after the two hidden layers); the predictor entry only serves a predictor objective.
+    'wide8192': {'projector': dict(hidden=8192, out=8192, use_bn=True, depth=3),
+                 'predictor': dict(hidden=8192, out=8192, use_bn=True, depth=3)},
 }
 
 

@@ -11,6 +11,8 @@ Conventions follow the authors' code where the papers leave them open (docs/note
   * SimCLR: NT-Xent over 2B samples; `zero_diagonal=True` reproduces the FedU2 code's quirk (off by default).
   * Spectral contrastive: FedSC "loss as implemented" (FedSC official code, `Client_SPECshare.loss`), i.e. 2 x the
     batch loss of the paper's §5.2 (FedSC, ICML 2024), with NormClip (paper Alg. 2) applied inside the loss.
+  * VICReg and Barlow Twins: as in the authors' released code (facebookresearch/vicreg `main_vicreg.py`,
+    facebookresearch/barlowtwins `main.py`), with their default weights.
 """
 from __future__ import annotations
 
@@ -138,6 +140,72 @@ def spectral_contrastive_loss(z0: jax.Array,
   r_global = jax.lax.stop_gradient(as_float(r_global))
   # R̂ is symmetric, so Tr(R̂ R_global) = Σ_ik R̂_ik R_global_ik, also for a non-symmetric (DP-noised) R_global.
   return posloss + alpha * frob_sq + 2.0 * (1.0 - alpha) * jnp.sum(r_hat * r_global)
+
+
+def _off_diagonal_sq_sum(m: jax.Array) -> jax.Array:
+  """Σ_{i≠j} m_ij² of a square matrix."""
+  off = jnp.where(jnp.eye(m.shape[0], dtype=bool), 0.0, m)  # masked, not Σ m² - Σ diag²: no cancellation
+  return jnp.sum(off * off)
+
+
+def vicreg(z_a: jax.Array, z_b: jax.Array, *, sim_coeff: float = 25.0, std_coeff: float = 25.0,
+           cov_coeff: float = 1.0) -> jax.Array:
+  """VICReg loss (Bardes et al., ICLR 2022) as in the authors' code (`main_vicreg.py`):
+
+      invariance  = mean_{b,k} (z_a - z_b)²                                  (MSE)
+      variance    = ½ mean_k relu(1 - sqrt(var_a,k + 1e-4)) + the same for z_b  (unbiased variance)
+      covariance  = Σ_{i≠j} C_a,ij² / d + Σ_{i≠j} C_b,ij² / d,  C = z̄ᵀ z̄ / (B - 1), z̄ centred
+      loss        = sim_coeff · invariance + std_coeff · variance + cov_coeff · covariance
+
+  Args:
+    z_a, z_b: float [B, d] projector outputs (expander) of the two views, B >= 2.
+    sim_coeff, std_coeff, cov_coeff: the weights (the paper's λ, μ, ν = 25, 25, 1), >= 0.
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('z_a', 'z_b'), z_a, z_b)
+  b, d = jnp.shape(z_a)
+  if b < 2:
+    raise ValueError(f'vicreg needs a batch of at least 2 rows (the unbiased variance), got B = {b}')
+  z_a, z_b = as_float(z_a), as_float(z_b)
+  invariance = jnp.mean((z_a - z_b) ** 2)
+  z_a, z_b = z_a - jnp.mean(z_a, axis=0), z_b - jnp.mean(z_b, axis=0)
+
+  def variance(z):
+    std = jnp.sqrt(jnp.sum(z * z, axis=0) / (b - 1) + 1e-4)
+    return jnp.mean(jax.nn.relu(1.0 - std)) / 2
+
+  def covariance(z):
+    return _off_diagonal_sq_sum(z.T @ z / (b - 1)) / d
+
+  return (sim_coeff * invariance + std_coeff * (variance(z_a) + variance(z_b))
+          + cov_coeff * (covariance(z_a) + covariance(z_b)))
+
+
+def barlow_twins(z_a: jax.Array, z_b: jax.Array, *, off_diagonal_weight: float = 0.0051
+                 ) -> jax.Array:
+  """Barlow Twins loss (Zbontar et al., ICML 2021) as in the authors' code (`main.py`):
+
+      ẑ       = (z - mean_b z) / sqrt(var_b z + 1e-5)    per dimension (affine-free BatchNorm: biased var)
+      c       = ẑ_aᵀ ẑ_b / B                             [d, d] cross-correlation
+      loss    = Σ_i (1 - c_ii)² + off_diagonal_weight · Σ_{i≠j} c_ij²
+
+  Args:
+    z_a, z_b: float [B, d] projector outputs of the two views.
+    off_diagonal_weight: λ of the redundancy-reduction term (the paper's 0.0051), >= 0.
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('z_a', 'z_b'), z_a, z_b)
+  b = jnp.shape(z_a)[0]
+
+  def standardise(z):
+    z = as_float(z)
+    z = z - jnp.mean(z, axis=0)
+    return z / jnp.sqrt(jnp.mean(z * z, axis=0) + 1e-5)
+
+  c = standardise(z_a).T @ standardise(z_b) / b
+  return jnp.sum((1.0 - jnp.diagonal(c)) ** 2) + off_diagonal_weight * _off_diagonal_sq_sum(c)
 
 
 def ema_update(target: Any, online: Any, tau: float) -> Any:

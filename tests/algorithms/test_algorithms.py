@@ -21,7 +21,7 @@ from fedjax_ssl.data.types import Dataset
 def _spec():
   enc = models.get_encoder('small_cnn', conv_features=(3,), dense_features=(6, 4))
   model = models.SSLModel(enc, models.MLPHead(5, 4), models.MLPHead(5, 4))
-  return ssl_client.ClientSpec(method='byol', model=model, tx=optim.make_optimizer('sgd'),
+  return ssl_client.ClientSpec(objective='byol', model=model, tx=optim.make_optimizer('sgd'),
                                aug=augment.AugmentConfig(), mean=(0.5,), std=(0.3,),
                                input_shape=(8, 8, 1))
 
@@ -200,8 +200,8 @@ def test_fedema_first_participation_and_autoscaler():
 
 def test_fedu_and_fedema_need_a_predictor():
   spec = _spec()
-  simclr = dataclasses.replace(spec, method='simclr')
-  with pytest.raises(ValueError, match="ssl_method = 'simclr'"):
+  simclr = dataclasses.replace(spec, objective='simclr')
+  with pytest.raises(ValueError, match="FedU needs a predictor: ssl_method = 'simclr' has none"):
     fedu.make(simclr)
-  with pytest.raises(ValueError, match="ssl_method = 'simclr'"):
+  with pytest.raises(ValueError, match="FedEMA needs a predictor: ssl_method = 'simclr' has none"):
     fedema.make(simclr)

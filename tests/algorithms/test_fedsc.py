@@ -29,9 +29,9 @@ SIZES = (11, 4, 7, 9)
 def _spec(sc_mu=2.0):
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   model = models.SSLModel(enc, models.MLPHead(8, 5, use_bn=False), None)
-  return ssl_client.ClientSpec(method='sc', model=model, tx=optim.make_optimizer('sgd', momentum=0.9),
+  return ssl_client.ClientSpec(objective='sc', model=model, tx=optim.make_optimizer('sgd', momentum=0.9),
                                aug=AUG, mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1),
-                               sc_mu=sc_mu)
+                               hparams={'mu': sc_mu})
 
 
 def _data(sizes=SIZES):

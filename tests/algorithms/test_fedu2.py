@@ -99,7 +99,7 @@ def _spec(reg):
   model = models.SSLModel(enc, models.MLPHead(8, 5), models.MLPHead(8, 5))
   aug = augment.AugmentConfig(out_size=8, crop_scale=(0.5, 1.0), flip_prob=0.5, jitter_prob=0.0,
                               grayscale_prob=0.0)
-  return ssl_client.ClientSpec(method='byol', model=model, tx=optim.make_optimizer('sgd'), aug=aug,
+  return ssl_client.ClientSpec(objective='byol', model=model, tx=optim.make_optimizer('sgd'), aug=aug,
                                mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1),
                                feature_regularizer=reg)
 

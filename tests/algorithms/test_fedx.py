@@ -26,7 +26,7 @@ B = 6
 def _spec(method):
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   model = models.SSLModel(enc, models.MLPHead(8, 5), models.MLPHead(8, 5))
-  return ssl_client.ClientSpec(method=method, model=model, tx=optim.make_optimizer('sgd'), aug=AUG,
+  return ssl_client.ClientSpec(objective=method, model=model, tx=optim.make_optimizer('sgd'), aug=AUG,
                                mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1))
 
 

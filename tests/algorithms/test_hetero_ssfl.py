@@ -26,8 +26,9 @@ def _spec(encoder, method='byol'):
   predictor = None if method == 'simclr' else models.MLPHead(8, 5)
   model = models.SSLModel(encoder, models.MLPHead(8, 5), predictor)
   tx = optim.make_optimizer('sgd', momentum=0.9, weight_decay=1e-3)
-  return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,),
-                               std=(0.3,), input_shape=(8, 8, 1), ema_tau=0.9, temperature=0.5)
+  return ssl_client.ClientSpec(objective=method, model=model, tx=tx, aug=AUG, mean=(0.5,),
+                               std=(0.3,), input_shape=(8, 8, 1),
+                               hparams={'ema_tau': 0.9, 'temperature': 0.5})
 
 
 def _specs(method='byol'):

@@ -36,7 +36,7 @@ OC = orchestra.OrchestraConfig(global_clusters=4, local_clusters=3, memory_size=
 def _spec():
   enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(12, 6))
   model = models.SSLModel(enc, models.MLPHead(8, 5), None)
-  return ssl_client.ClientSpec(method='byol', model=model,
+  return ssl_client.ClientSpec(objective='byol', model=model,
                                tx=optim.make_optimizer('sgd', momentum=0.9, weight_decay=1e-3),
                                aug=AUG, mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1))
 

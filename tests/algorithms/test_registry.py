@@ -50,7 +50,8 @@ def _small_config(name: str, **overrides):
   """A tiny synthetic run of algorithm `name` (MLP encoder, 4 clients, 2 per round, 2 steps each)."""
   entry = algorithms.get(name)
   c = experiment.default_config()
-  c.update(dict(algorithm=name, ssl_method=entry.methods[0], dataset='synthetic', train_size=288,
+  c.update(dict(algorithm=name, ssl_method=algorithms.registry.accepted_objectives(entry)[0],
+                dataset='synthetic', train_size=288,
                 partition='iid', num_clients=4, clients_per_round=2, local_epochs=1,
                 batch_size=32, encoder='mlp', heads='custom', proj_hidden=16, proj_out=8,
                 pred_hidden=16, pred_out=8, augmentation='flip', knn_k=10, probe='adam', probe_epochs=1,
@@ -145,9 +146,13 @@ def test_unregistered_algorithm_is_refused_listing_the_registered_ones():
 
 def test_an_ssl_method_the_algorithm_does_not_take_is_refused_with_the_reason():
   with pytest.raises(cv.ConfigError, match=r"config.ssl_method = 'simclr' is invalid for algorithm "
-                                           r"'fedu': must be one of \('byol', 'simsiam'\) \(needs "
-                                           r"a predictor\)"):
+                                           r"'fedu': it needs an objective with a predictor, which "
+                                           r"'simclr' has not \(objectives that have: byol, "
+                                           r"simsiam"):
     experiment.validate_config(_small_config('fedu', ssl_method='simclr'))
+  with pytest.raises(cv.ConfigError, match=r"config.ssl_method = 'byol' is invalid for algorithm "
+                                           r"'fedsc': must be one of \('sc',\)"):
+    experiment.validate_config(_small_config('fedsc', ssl_method='byol'))
 
 
 def test_an_exclusive_key_of_another_algorithm_is_refused():
@@ -163,6 +168,8 @@ def test_register_refuses_a_taken_name_and_bad_methods():
     algorithms.register('fedavg', lambda config, info: None)
   with pytest.raises(ValueError, match=r"methods = \('dino',\) of algorithm 'x' is invalid"):
     algorithms.register('x', lambda config, info: None, methods=('dino',))
+  with pytest.raises(ValueError, match=r"needs = \('queue',\) of algorithm 'x' is invalid"):
+    algorithms.register('x', lambda config, info: None, needs=('queue',))
   with pytest.raises(ValueError, match="algorithm name 'a-b' is invalid"):
     algorithms.register('a-b', lambda config, info: None)
   assert 'x' not in algorithms.names()

@@ -40,7 +40,7 @@ class TinyTanhNet(nn.Module):
 
 def _spec(aug=AUG):
   return ssl_client.ClientSpec(
-      method='supervised', model=models.Classifier(TinyTanhNet(), NUM_CLASSES),
+      objective='supervised', model=models.Classifier(TinyTanhNet(), NUM_CLASSES),
       tx=optim.make_optimizer('adam'), aug=aug, mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1),
       reset_optimizer=False)
 
@@ -302,7 +302,7 @@ def test_paper_ratio_to_fedavg(encoder, image, params, bn_channels, ratio):
   Ours 2 C d' floats and C counts. The paper's D / (2 C d') is 965 and 2208."""
   def spec_of():
     return ssl_client.ClientSpec(
-        method='supervised', model=models.Classifier(models.get_encoder(encoder), 10),
+        objective='supervised', model=models.Classifier(models.get_encoder(encoder), 10),
         tx=optim.make_optimizer('adam'), aug=augment.preset('none', None), mean=(0.5,) * image[2],
         std=(0.3,) * image[2], input_shape=image, reset_optimizer=False)
   spec = spec_of()

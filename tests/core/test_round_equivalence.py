@@ -63,10 +63,11 @@ def _spec(method, reset_optimizer=True, tx='sgd', fur=None, sc_mu=None):
     pred = models.MLPHead(8, 5) if method in ('byol', 'simsiam') else None
     model = models.SSLModel(enc, models.MLPHead(8, 5), pred)
   tx = optim.make_optimizer(tx, momentum=0.9, weight_decay=1e-3)
-  return ssl_client.ClientSpec(method=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
-                               input_shape=(8, 8, 1), temperature=0.5, ema_tau=0.9,
+  return ssl_client.ClientSpec(objective=method, model=model, tx=tx, aug=AUG, mean=(0.5,), std=(0.3,),
+                               input_shape=(8, 8, 1),
+                               hparams={'temperature': 0.5, 'ema_tau': 0.9, 'mu': sc_mu},
                                reset_optimizer=reset_optimizer,
-                               feature_regularizer=_fur(fur) if fur else None, sc_mu=sc_mu)
+                               feature_regularizer=_fur(fur) if fur else None)
 
 
 ALGOS = {

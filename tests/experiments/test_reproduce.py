@@ -476,3 +476,46 @@ def test_fill_references_pairs_carried_seeds_only_where_they_reproduce_the_store
   missing = [entry('A', [80.0, 81.0, 82.0], 70.0)]
   assert reproduce.fill_references(missing, {}) == [
       'a.iid probe_acc: no references for seeds [0, 1, 2]']
+
+
+def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
+  """A seed at chance (10 classes: within 2 points of 10 %) leaves every metric of its cell; a cell
+  with every seed collapsed prints 'collapsed (k of n seeds)' and its claims say so; table.csv keeps
+  the marks; a weak but learning seed (13.9 %) stays."""
+  rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol'),
+          'C': dict(ssl_method='simsiam')}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')}, metrics=('probe_acc', 'knn_acc'),
+                 claims=(reproduce.Claim('A beats B', 'A', 'B', 'probe_acc'),
+                         reproduce.Claim('A beats C', 'A', 'C', 'probe_acc')))
+  probe = {'A': (0.80, 0.10, 0.84), 'B': (0.10, 0.1001, 0.1199), 'C': (0.139, 0.70, 0.72)}
+  knn = {'A': (0.70, 0.161, 0.72), 'B': (0.10, 0.10, 0.10), 'C': (0.13, 0.60, 0.61)}
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  for run in runs:
+    row = run.cells[0][0]
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
+         'random_init': {'probe_acc': 0.5, 'knn_acc': 0.4 + 0.01 * run.seed}}))
+  summary = reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+  by = {(e['row'], e['metric']): e for e in summary}
+  a = by[('A', 'knn_acc')]  # seed 1 collapsed on the probe: out of the kNN entry too
+  assert a['seeds'] == [0, 2] and a['n'] == 2
+  np.testing.assert_allclose(a['random_init_values'], [40.0, 42.0], rtol=1e-12)
+  np.testing.assert_allclose(a['mean'], 71.0, rtol=1e-12)
+  assert a['collapsed'] == ['seed 1: linear probe (%) 10.00, within 2 points of chance (10.00)']
+  assert by[('B', 'probe_acc')]['n'] == 0 and len(by[('B', 'probe_acc')]['collapsed']) == 3
+  assert by[('C', 'probe_acc')]['seeds'] == [0, 1, 2]  # 13.9 % is weak, not collapsed
+  md = reproduce.markdown(table, summary, [0, 1, 2])
+  assert '| A | 82.00 ± 2.83 [2 of 3 seeds, 1 collapsed] |' in md
+  assert '| B | collapsed (3 of 3 seeds) |' in md
+  assert '## Collapsed seeds' in md and '- `b.iid` seed 2: linear probe (%) 11.99' in md
+  assert '| A beats B | IID | linear probe (%) | – | – | 0 | B collapsed (3 seeds) |' in md
+  reproduce.write_csv(summary, tmp_path / 'table.csv')
+  back = {(e['row'], e['metric']): e for e in reproduce.read_csv(tmp_path / 'table.csv')}
+  assert back[('B', 'knn_acc')]['collapsed'] == by[('B', 'knn_acc')]['collapsed']
+  assert back[('A', 'probe_acc')]['seeds'] == [0, 2]
+  # Marking again (a table rebuilt from its csv) changes nothing.
+  again = reproduce.mark_collapsed(table, list(back.values()))
+  assert {(e['row'], e['metric']): (e['seeds'], e['collapsed']) for e in again} == {
+      k: (e['seeds'], e['collapsed']) for k, e in back.items()}

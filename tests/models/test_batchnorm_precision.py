@@ -39,7 +39,7 @@ def _byol_spec(offset: float) -> ssl_client.ClientSpec:
                           models.MLPHead(256, 128, True))
   # mean = -offset shifts every input pixel by +offset: the encoder's features then sit far from 0.
   return ssl_client.ClientSpec(
-      method='byol', model=model, tx=optim.make_optimizer('sgd', momentum=0.9, weight_decay=0.0),
+      objective='byol', model=model, tx=optim.make_optimizer('sgd', momentum=0.9, weight_decay=0.0),
       aug=augment.preset('none', 28), mean=(-offset,), std=(1.0,), input_shape=(28, 28, 1))
 
 

@@ -75,6 +75,33 @@ def np_spectral_pairwise(z0, z1):
   return pos + neg
 
 
+def np_vicreg(za, zb, sim=25.0, std=25.0, cov=1.0):
+  """The authors' main_vicreg.py with numpy's own estimators: np.var / np.cov with ddof = 1."""
+  d = za.shape[1]
+  inv = np.mean((za - zb) ** 2)
+  var = sum(np.mean(np.maximum(0.0, 1 - np.sqrt(np.var(z, axis=0, ddof=1) + 1e-4))) / 2
+            for z in (za, zb))
+  covariance = 0.0
+  for z in (za, zb):
+    c = np.cov(z, rowvar=False, ddof=1)
+    covariance += (np.sum(c ** 2) - np.sum(np.diag(c) ** 2)) / d
+  return sim * inv + std * var + cov * covariance
+
+
+def np_barlow_twins(za, zb, lambd=0.0051):
+  """The authors' main.py: affine-free BatchNorm1d in train mode (biased variance, eps 1e-5), then
+  c = bn(za)ᵀ bn(zb) / B, in loops over the matrix entries."""
+  b, d = za.shape
+  na = (za - za.mean(0)) / np.sqrt(za.var(0) + 1e-5)
+  nb = (zb - zb.mean(0)) / np.sqrt(zb.var(0) + 1e-5)
+  total = 0.0
+  for i in range(d):
+    for j in range(d):
+      c = sum(na[k, i] * nb[k, j] for k in range(b)) / b
+      total += (1 - c) ** 2 if i == j else lambd * c ** 2
+  return total
+
+
 def fd_grad(f, args, wrt, eps=1e-6):
   """Central finite differences of scalar f(*args) w.r.t. args[wrt], float64."""
   args = [np.array(a, np.float64) for a in args]
@@ -224,6 +251,46 @@ def test_spectral_gradient_alignment_eq6():
     np.testing.assert_allclose(q[j] * np.asarray(local[0]), g0[rows], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(q[j] * np.asarray(local[1]), g1[rows], rtol=1e-4, atol=1e-6)
     offset += len(a)
+
+
+@pytest.mark.parametrize('weights', [{}, dict(sim_coeff=1.0, std_coeff=3.0, cov_coeff=0.5)])
+def test_vicreg_value_and_grad(weights):
+  rng = np.random.default_rng(7)
+  # Scales around 1 so that some dimensions' std is below 1 (the hinge active) and some above.
+  args = [randn(rng, 6, 5) * np.linspace(0.3, 2.0, 5), randn(rng, 6, 5) * 0.8]
+  names = {'sim_coeff': 'sim', 'std_coeff': 'std', 'cov_coeff': 'cov'}
+  nkw = {names[k]: v for k, v in weights.items()}
+  check_value_and_grads(lambda a, b: losses.vicreg(a, b, **weights),
+                        lambda a, b: np_vicreg(a, b, **nkw), args, grad_args=(0, 1))
+
+
+def test_vicreg_terms_by_hand():
+  """Identical views: invariance 0. Rows ±1 in every dimension (B = 2): unbiased var 2, std
+  sqrt(2 + 1e-4) > 1, so the hinge is 0; covariance of dims that move together is 2 each."""
+  z = jnp.array([[1.0, 1.0], [-1.0, -1.0]])
+  # covariance: C = [[2, 2], [2, 2]]: off-diagonal squares 2 * 4 = 8, / d = 4, two views -> 8.
+  assert float(losses.vicreg(z, z)) == pytest.approx(8.0, rel=1e-6)
+  # A constant dimension has std sqrt(1e-4) = 0.01: hinge 0.99, mean over 2 dims / 2 per view.
+  c = jnp.array([[1.0, 0.0], [-1.0, 0.0]])
+  assert float(losses.vicreg(c, c, cov_coeff=0.0)) == pytest.approx(25 * 2 * 0.99 / 2 / 2, rel=1e-5)
+  with pytest.raises(ValueError, match='at least 2 rows'):
+    losses.vicreg(z[:1], z[:1])
+
+
+@pytest.mark.parametrize('lambd', [0.0051, 0.5])
+def test_barlow_twins_value_and_grad(lambd):
+  rng = np.random.default_rng(8)
+  args = [randn(rng, 7, 4), randn(rng, 7, 4) + 0.5 * randn(rng, 7, 4)]
+  check_value_and_grads(lambda a, b: losses.barlow_twins(a, b, off_diagonal_weight=lambd),
+                        lambda a, b: np_barlow_twins(a, b, lambd), args, grad_args=(0, 1))
+
+
+def test_barlow_twins_identical_decorrelated_views_are_0():
+  """Two views equal, with dimensions standardised and uncorrelated over the batch: c = I (up to
+  the 1e-5 of the BatchNorm), so the loss is ~0."""
+  z = jnp.array([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])
+  assert float(losses.barlow_twins(z, z)) == pytest.approx(2 * (1 - 1 / np.sqrt(1 + 1e-5) ** 2) ** 2,
+                                                         abs=1e-9)
 
 
 def test_ema_update_numbers():

@@ -1,0 +1,198 @@
+"""The objective registry: the built-in objectives, what algorithms require of one, the keys that
+moved into the objectives' blocks (refused when set, migrated when read), and VICReg and Barlow
+Twins in one round of every algorithm that accepts them."""
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_ssl import algorithms, configuration, experiment, models, run_identity, ssl
+from fedjax_ssl import config_validation as cv
+from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl.core import round as rd
+from tests.algorithms import test_registry
+
+BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins')
+
+
+def test_built_in_objectives_and_their_blocks():
+  assert ssl.names()[:len(BUILT_IN)] == BUILT_IN
+  c = configuration.default_config()
+  for name in BUILT_IN:
+    assert name in c, name  # every objective has its block
+  assert c.byol.ema_tau == 0.99 and c.simclr.temperature == 0.5 and not c.simclr.zero_diagonal
+  assert (c.vicreg.sim_coeff, c.vicreg.std_coeff, c.vicreg.cov_coeff) == (25.0, 25.0, 1.0)
+  assert c.barlow_twins.off_diagonal_weight == 0.0051
+  assert ssl.get('byol').shared == ('encoder', 'projector', 'predictor')
+  assert ssl.get('vicreg').shared == ('encoder', 'projector')
+  assert ssl.get('supervised').shared == ('encoder', 'head')
+  assert ssl.get('byol').capabilities() == ('projector', 'predictor', 'target')
+
+
+def test_algorithms_take_the_objectives_that_fit_them():
+  accepted = lambda name: algorithms.registry.accepted_objectives(algorithms.get(name))
+  assert set(accepted('fedavg')) >= set(BUILT_IN)
+  assert accepted('fedu') == accepted('fedema') == ('byol', 'simsiam')
+  assert set(accepted('fedu2')) >= {'byol', 'simsiam', 'simclr', 'sc', 'vicreg', 'barlow_twins'}
+  assert 'supervised' not in accepted('fedu2')
+  assert accepted('fedsc') == ('sc',)
+
+
+def test_an_objective_lacking_what_the_algorithm_needs_is_refused_naming_both():
+  config = test_registry._small_config('fedema', ssl_method='vicreg')
+  with pytest.raises(cv.ConfigError, match=r"config.ssl_method = 'vicreg' is invalid for algorithm "
+                                           r"'fedema': it needs an objective with a predictor, "
+                                           r"which 'vicreg' has not"):
+    experiment.validate_config(config)
+
+
+def test_bad_objective_values_and_names_are_refused():
+  config = test_registry._small_config('fedavg', ssl_method='vicreg')
+  config.vicreg.std_coeff = -1.0
+  with pytest.raises(cv.ConfigError, match=r'config.vicreg.std_coeff = -1.0 is invalid'):
+    experiment.validate_config(config)
+  config = test_registry._small_config('fedavg', ssl_method='barlow_twin')
+  with pytest.raises(cv.ConfigError, match=r"config.ssl_method = 'barlow_twin' is invalid: must be "
+                                           r"one of .*did you mean 'barlow_twins'"):
+    experiment.validate_config(config)
+  config = test_registry._small_config('fedavg', ssl_method='simclr')
+  config.simclr.tau = 0.1
+  with pytest.raises(cv.ConfigError, match=r"unknown config key 'config.simclr.tau'"):
+    experiment.validate_config(config)
+  with pytest.raises(ValueError, match="objective 'byol' is already registered"):
+    ssl.register(ssl.Objective(name='byol', loss=lambda *a: 0.0))
+  with pytest.raises(ValueError, match="objective 'mine' has a momentum target: its config block "
+                                       "must have 'ema_tau'"):
+    ssl.register(ssl.Objective(name='mine', loss=lambda *a: 0.0, target=True))
+  assert 'mine' not in ssl.names()
+
+
+@pytest.mark.parametrize('old, new', list(run_identity.MOVED_KEYS.items()))
+def test_a_moved_key_is_refused_naming_the_new_one(old, new):
+  config = test_registry._small_config('fedavg')
+  config[old] = 0.5
+  with pytest.raises(cv.ConfigError, match=rf'config.{old} is no longer a key: it moved to '
+                                           rf'config.{new}'):
+    experiment.validate_config(config)
+  error = cv.unknown_override(['prog', f'--config.{old}=0.5'], experiment.default_config(),
+                              moved=run_identity.MOVED_KEYS)
+  assert str(error).startswith(f'config.{old} in --config.{old}=0.5 is no longer a key: it moved '
+                               f'to config.{new}'), str(error)
+
+
+def test_a_stored_config_with_the_old_keys_is_migrated_with_its_identity(tmp_path):
+  """A config.json written before the move: read with its values in the blocks, and its run key is
+  the key of the same run configured today (a resume or a reproduce cell finds it)."""
+  today = configuration.default_config()
+  today.update(dict(ssl_method='simclr'))
+  today.simclr.temperature, today.simclr.zero_diagonal, today.byol.ema_tau = 0.2, True, 0.96
+  saved = today.to_dict()
+  for name in ('simclr', 'byol'):
+    del saved[name]
+  saved.update(temperature=0.2, nt_xent_zero_diagonal=True, ema_tau=0.96)
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  config = configuration.load_run_config(tmp_path)
+  assert (config.simclr.temperature, config.simclr.zero_diagonal, config.byol.ema_tau) == (
+      0.2, True, 0.96)
+  assert run_identity.run_key(config) == run_identity.run_key(today)
+  # The blocks of objectives other than the configured one do not make the run.
+  other = configuration.default_config()
+  other.update(today)
+  other.byol.ema_tau = 0.5
+  assert run_identity.run_key(other) == run_identity.run_key(today)
+  other.simclr.temperature = 0.3
+  assert run_identity.run_key(other) != run_identity.run_key(today)
+
+
+def test_client_spec_takes_an_objective_name_with_its_block_defaults():
+  spec = ssl_client.ClientSpec(objective='simclr', model=None, tx=None, aug=None, mean=(0.5,),
+                               std=(0.3,), input_shape=(8, 8, 1), hparams={'temperature': 0.2})
+  assert spec.objective is ssl.get('simclr') and spec.method == 'simclr'
+  assert spec.hparams == {'temperature': 0.2, 'zero_diagonal': False}
+
+
+SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins')
+         for name in algorithms.names() if name != 'fedprox_simclr'
+         if objective in algorithms.registry.accepted_objectives(algorithms.get(name))]
+
+
+def test_the_sweep_covers_the_general_algorithms():
+  assert {n for n, o in SWEEP if o == 'vicreg'} >= {'fedavg', 'centralized', 'independent', 'fedu2',
+                                                     'ldawa'}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name, objective', SWEEP)
+def test_vicreg_and_barlow_twins_run_a_round_of_every_algorithm_that_takes_them(name, objective):
+  """One round: finite loss and state, and the shared modules moved (the loss has gradients)."""
+  config = test_registry._small_config(name, ssl_method=objective)
+  algo, state, metrics = test_registry._one_round(config)
+  assert np.isfinite(metrics['loss'])
+  leaves = jax.tree_util.tree_leaves((state.server, state.clients))
+  assert all(np.all(np.isfinite(np.asarray(a))) for a in leaves)
+  start = rd.init_state(algo, experiment.run_keys(config)[0], config.num_clients)
+  # The evaluated encoder (the global one, or every client's) moved: the loss has gradients.
+  (before, _), (after, _) = algo.eval_variables(start), algo.eval_variables(state)
+  moved = jax.tree_util.tree_map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)),
+                                 before['params']['encoder'], after['params']['encoder'])
+  assert any(jax.tree_util.tree_leaves(moved)), name
+
+
+def _load_objective_example():
+  """configs/examples/custom_objective.py as a module (registers 'align_uniform')."""
+  path = test_registry.REPO / 'configs' / 'examples' / 'custom_objective.py'
+  spec = importlib.util.spec_from_file_location('custom_objective_example', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def np_align_uniform(z1, z2, alpha, t, weight):
+  """Wang & Isola's align + uniform in float64 loops over the pairs."""
+  n1 = z1 / np.linalg.norm(z1, axis=1, keepdims=True)
+  n2 = z2 / np.linalg.norm(z2, axis=1, keepdims=True)
+  b = len(z1)
+  align = np.mean([np.linalg.norm(n1[i] - n2[i]) ** alpha for i in range(b)])
+  uniform = 0.0
+  for z in (n1, n2):
+    pairs = [np.exp(-t * np.sum((z[i] - z[j]) ** 2)) for i in range(b) for j in range(b) if i != j]
+    uniform += np.log(np.mean(pairs)) / 2
+  return align + weight * uniform
+
+
+@pytest.mark.slow
+def test_custom_objective_registers_from_its_own_file_and_trains_under_fedavg_and_fedu2():
+  example = _load_objective_example()
+  example = _load_objective_example()  # executed twice (absl's config flag, an import): allowed
+  assert 'align_uniform' in ssl.names()
+  configuration.validate_config(example.get_config())
+  rng_np = np.random.default_rng(3)
+  z1, z2 = rng_np.normal(size=(6, 4)), rng_np.normal(size=(6, 4))
+  for alpha, t, weight in ((2.0, 2.0, 1.0), (1.0, 0.5, 3.0)):
+    got = example.align_uniform(jnp.asarray(z1, jnp.float32), jnp.asarray(z2, jnp.float32),
+                                alpha=alpha, t=t, uniform_weight=weight)
+    # float32 over sums of ~B² terms of size ~1: a few float32 ulps of the result.
+    np.testing.assert_allclose(float(got), np_align_uniform(z1, z2, alpha, t, weight), rtol=1e-5,
+                               atol=1e-5)
+  for name in ('fedavg', 'fedu2'):
+    config = test_registry._small_config(name, ssl_method='align_uniform')
+    _, state, metrics = test_registry._one_round(config)
+    assert np.isfinite(metrics['loss']) and int(state.round) == 1
+  config = test_registry._small_config('fedema', ssl_method='align_uniform')
+  with pytest.raises(cv.ConfigError, match="it needs an objective with a predictor, which "
+                                           "'align_uniform' has not"):
+    experiment.validate_config(config)
+
+
+def test_wide8192_preset_is_the_vicreg_and_barlow_twins_expander():
+  """512-8192(BN)-8192(BN)-8192, shapes only (abstract init, no FLOPs)."""
+  projector, predictor = models.make_heads('wide8192', with_predictor=False)
+  assert predictor is None
+  variables = jax.eval_shape(lambda: projector.init(jax.random.PRNGKey(0),
+                                                    jnp.zeros((2, 512)), train=True))
+  shapes = {k: v['kernel'].shape for k, v in variables['params'].items() if 'kernel' in v}
+  assert shapes == {'fc1': (512, 8192), 'fc1_2': (8192, 8192), 'fc2': (8192, 8192)}
+  assert set(variables['batch_stats']) == {'bn', 'bn_2'}
