@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's main job: sets up .venv, then trains FedSimCLR (LeNet-5) on real Fashion-MNIST (configs/quickstart.py).
+# The README's main job: sets up .venv, then trains FedSimCLR (small CNN) on real Fashion-MNIST (configs/quickstart.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
