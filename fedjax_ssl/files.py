@@ -4,10 +4,50 @@ then `os.replace`d over the target. A kill leaves the old file or the new one, n
 Imports nothing of fedjax_ssl: every layer may use it."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import tempfile
-from typing import Any
+from typing import Any, Iterator, Optional
+
+# The errors of a write that found no room: a full device, a full quota, a file over its size limit.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class DiskFull(Exception):
+  """A write failed for lack of space; `path` names what was being written."""
+
+  def __init__(self, path: str, cause: OSError):
+    super().__init__(f'no space left writing {path} ({cause.strerror or os.strerror(cause.errno)})')
+    self.path = path
+    self.cause = cause
+
+
+def no_room(error: BaseException) -> Optional[OSError]:
+  """The OSError of `error`'s chain (itself, its cause or context, recursively) that reports no
+  room (ENOSPC, EDQUOT, EFBIG), or None. Libraries that write in threads (orbax) re-raise such an
+  error wrapped in their own."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _NO_ROOM:
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+@contextlib.contextmanager
+def writing(path: os.PathLike | str) -> Iterator[None]:
+  """Turns a failure for lack of space inside the block into `DiskFull(path)`; any other error
+  passes unchanged."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-except  (classified: only no-room is converted)
+    cause = no_room(e)
+    if cause is None:
+      raise
+    raise DiskFull(os.fspath(path), cause) from e
 
 
 def write_text(path: os.PathLike | str, text: str) -> None:

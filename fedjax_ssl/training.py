@@ -135,10 +135,17 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
         run_guard.report(warning, echo=primary)
       with run_guard.StopSignals() as stop, checkpoint.Checkpointer(
           workdir / 'checkpoints', save_every=config.checkpoint_every) as ckpt:
-        return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
-                    bar_position=bar_position, primary=primary, restart=restart,
-                    allow_config_change=allow_config_change, reference_cache=reference_cache,
-                    cache_dir=cache_dir)
+        try:
+          return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
+                      bar_position=bar_position, primary=primary, restart=restart,
+                      allow_config_change=allow_config_change, reference_cache=reference_cache,
+                      cache_dir=cache_dir)
+        except files.DiskFull as e:  # the run's files so far are intact (files.writing's sites)
+          saved = ckpt.latest_round()
+          raise run_guard.RunStateError(
+              f'{e}: free space there, then rerun the same command; it resumes from '
+              + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
+              + ' with the metric rows before it') from None
 
 
 def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
@@ -301,7 +308,8 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     # One record per round, written before that round's checkpoint: a resumed run truncates the
     # log to its checkpoint and so never duplicates or loses a round.
     if primary:
-      writer.write(r + 1, record)
+      with files.writing(writer.jsonl_path):
+        writer.write(r + 1, record)
     if evaluated:
       say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
           f'({time.time() - t_start:.0f}s elapsed)')
@@ -312,8 +320,9 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     # After the last round a signal lets the run finish: its evaluation is done, only the results
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
-    ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
-                    force=r + 1 == config.rounds or bool(signum))
+    with files.writing(workdir / 'checkpoints' / str(r + 1)):
+      ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
+                      force=r + 1 == config.rounds or bool(signum))
     if signum:
       bar.close()
       _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
@@ -338,7 +347,8 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   results['strategy'] = choice.to_json()
   if compile_times is not None:
     results['first_round'] = compile_times.to_json()
-  files.write_json(workdir / 'results.json', results)
+  with files.writing(workdir / 'results.json'):
+    files.write_json(workdir / 'results.json', results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
   plotting.plot_metrics(

@@ -3,6 +3,7 @@ and a real divergence, a stop signal mid-run, damaged checkpoints, a changed con
 second run on the same workdir. Each case asserts its one line, its exit status or exception, the
 files left behind, and that a resumed run ends exactly where the uninterrupted one did with every
 metrics row once. (The SIGKILL / SIGTERM resume of the binary itself: test_train_binary.py.)"""
+import errno
 import json
 import os
 import pathlib
@@ -345,3 +346,60 @@ def test_the_harness_marks_a_diverged_run_instead_of_averaging_it(tmp_path):
   reproduce.write_csv([a, b], tmp_path / 'table.csv')
   assert 'seed 0: diverged at round 7 (loss) | seed 1: diverged' in (
       tmp_path / 'table.csv').read_text()
+
+
+def _no_space(path):
+  return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('where', ['metrics', 'checkpoint', 'results'])
+def test_a_full_disk_ends_in_one_line_and_the_resume_is_exact(where, baseline, tmp_path,
+                                                              monkeypatch):
+  """A write that finds no room (ENOSPC, injected where each file is written: a metrics row at
+  round 2, the checkpoint of round 2 — as orbax reports it, wrapped in its own error — and
+  results.json) ends the run with RunStateError (one `error:` line, exit status 1 in the binary)
+  naming the file; the checkpoints and metric rows before it are intact, and once there is room the
+  same command resumes to exactly the uninterrupted run."""
+  from fedjax_ssl import checkpoint, files, logging_utils  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / 'run'
+  if where == 'metrics':
+    real = logging_utils.MetricsWriter.write
+    def write(self, round_idx, metrics):
+      if round_idx == 2:
+        raise _no_space(self.jsonl_path)
+      return real(self, round_idx, metrics)
+    monkeypatch.setattr(logging_utils.MetricsWriter, 'write', write)
+    path, resumes_from, rounds_left = workdir / 'metrics.jsonl', 1, [0, 1]
+  elif where == 'checkpoint':
+    real = checkpoint.Checkpointer.maybe_save
+    def maybe_save(self, round_idx, state, **kwargs):
+      if round_idx == 2:
+        try:
+          raise _no_space(pathlib.Path(self.directory) / '2.orbax-checkpoint-tmp')
+        except OSError as e:
+          raise ValueError('checkpoint save failed') from e
+      return real(self, round_idx, state, **kwargs)
+    monkeypatch.setattr(checkpoint.Checkpointer, 'maybe_save', maybe_save)
+    path, resumes_from, rounds_left = workdir / 'checkpoints' / '2', 1, [0, 1, 2]
+  else:
+    real = files.write_json
+    def write_json(target, obj, **kwargs):
+      if pathlib.Path(target).name == 'results.json':
+        raise _no_space(target)
+      return real(target, obj, **kwargs)
+    monkeypatch.setattr(files, 'write_json', write_json)
+    path, resumes_from, rounds_left = workdir / 'results.json', ROUNDS, list(range(ROUNDS + 1))
+  with pytest.raises(run_guard.RunStateError) as err:
+    _train(workdir)
+  assert str(err.value) == (
+      f'no space left writing {path} (No space left on device): free space there, then rerun the '
+      f'same command; it resumes from the checkpoint of round {resumes_from} with the metric rows '
+      'before it')
+  assert [r['round'] for r in _rows(workdir)] == rounds_left
+  assert sorted(int(d) for d in os.listdir(workdir / 'checkpoints') if d.isdigit())[-1] == (
+      resumes_from)
+  assert not (workdir / 'results.json').exists()
+  monkeypatch.undo()  # room again
+  _train(workdir)
+  _assert_same_run(workdir, baseline)
