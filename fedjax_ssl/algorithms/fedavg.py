@@ -120,11 +120,14 @@ def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) 
 
 
 def kept_local_state(spec: ssl_client.ClientSpec, client, byol_target_sync: str) -> dict:
-  """The optimizer state without a reset and BYOL's local target under 'keep' (with its flag): the
-  part of `persistent_part` that does not depend on which modules are shared."""
+  """The optimizer state without a reset, BYOL's local target under 'keep' (with its flag) and the
+  objective's per-client state: the part of `persistent_part` that does not depend on which modules
+  are shared."""
   out = {}
   if not spec.reset_optimizer:
     out['opt_state'] = client['opt_state']
+  if 'objective' in client:  # the objective's per-client state (MoCo's queue)
+    out['objective'] = client['objective']
   if spec.objective.target and byol_target_sync == 'keep':
     out['target'] = client['target']
     out['extras'] = {'participated': client['extras']['participated']}
@@ -145,6 +148,8 @@ def rebuild_client(spec: ssl_client.ClientSpec, stored: dict, msg) -> dict:
   if spec.objective.target:
     client['target'] = (stored['target'] if 'target' in stored
                         else ssl_client.target_from_online(params, batch_stats))
+  if 'objective' in stored:
+    client['objective'] = stored['objective']
   return client
 
 

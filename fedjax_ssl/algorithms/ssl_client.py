@@ -8,6 +8,7 @@ A client state is a dict:
   opt_state    optax state of `spec.tx` over `params`
   target       objectives with a momentum target (BYOL): {'params': {'encoder', 'projector'},
                'batch_stats': ...}, EMA of online
+  objective    objectives with per-client state (MoCo's queue): that state
   extras       algorithm bookkeeping (e.g. 'participated', 'divergence', 'scaler'), float32 scalars
 """
 from __future__ import annotations
@@ -88,6 +89,10 @@ def init_client(spec: ClientSpec, key: jax.Array) -> Dict[str, Any]:
            'extras': {'participated': jnp.zeros((), jnp.float32)}}
   if spec.objective.target:
     state['target'] = target_from_online(params, batch_stats)
+  if spec.objective.state_init is not None:
+    out = jax.eval_shape(lambda v: spec.model.apply(v, x, train=False, with_predictor=False),
+                         variables)
+    state['objective'] = spec.objective.state_init(spec.hparams, out['z'].shape[-1])
   return state
 
 
@@ -113,8 +118,9 @@ def apply_train(model, params, batch_stats, x, **kw):
 
 
 def loss_fn(spec: ClientSpec, params, client, batch, key, shared=None
-            ) -> Tuple[jax.Array, Tuple[Any, Any]]:
-  """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats).
+            ) -> Tuple[jax.Array, Tuple[Any, Any, Any]]:
+  """Scalar loss of one local step, with the updated (online batch_stats, target batch_stats,
+  objective state); the last two are None where the objective has no target or no state.
 
   The objective's views are forwarded through the online model in order (each forward updates the
   running statistics once), then through the momentum target when the objective has one.
@@ -129,21 +135,26 @@ def loss_fn(spec: ClientSpec, params, client, batch, key, shared=None
     for v in views:
       logits, bs = apply_train(spec.model, params, bs, v)
       outputs.append(logits)
-    return objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None)
+    return objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None, None)
   outputs = []
   for v in views:
     out, bs = apply_train(spec.model, params, bs, v, with_predictor=objective.predictor)
     outputs.append(out)
   reg = _view_regularizer(spec, [o[spec.regularized] for o in outputs], key)
   if not objective.target:
-    return reg + objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None)
+    return reg + objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None, None)
   target = client['target']
   tbs = target['batch_stats']
   targets = []
   for v in views:
     t, tbs = apply_train(spec.model, target['params'], tbs, v, with_predictor=False)
     targets.append({'z': jax.lax.stop_gradient(t['z'])})
-  return reg + objective.loss(spec.hparams, outputs, targets, batch, shared), (bs, tbs)
+  if objective.state_init is None:
+    return reg + objective.loss(spec.hparams, outputs, targets, batch, shared), (bs, tbs, None)
+  state = client['objective']
+  after = objective.update_state(spec.hparams, state, jax.lax.stop_gradient(outputs), targets)
+  return (reg + objective.loss(spec.hparams, outputs, targets, batch, shared, state),
+          (bs, tbs, after))
 
 
 def _view_regularizer(spec: ClientSpec, zs, key: jax.Array) -> jax.Array:
@@ -168,8 +179,11 @@ def local_step(spec: ClientSpec, client, batch, key, msg, lr, shared=None,
   def total(p):
     loss, aux = loss_fn(spec, p, client, batch, key, shared)
     return (loss if extra_loss is None else loss + extra_loss(p)), aux
-  (loss, (bs, tbs)), grads = jax.value_and_grad(total, has_aux=True)(client['params'])
+  (loss, (bs, tbs, objective_state)), grads = jax.value_and_grad(total, has_aux=True)(
+      client['params'])
   new = apply_gradients(spec, client, grads, lr, batch_stats=bs)
+  if objective_state is not None:
+    new['objective'] = objective_state
   if spec.objective.target:
     online = target_from_online(new['params'], bs)
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
@@ -187,9 +201,12 @@ def apply_gradients(spec: ClientSpec, client, grads, lr, **fields) -> Dict[str, 
 
 
 def begin_round(spec: ClientSpec, client) -> Dict[str, Any]:
-  """Start-of-round bookkeeping every algorithm shares: the optimiser reset."""
+  """Start-of-round bookkeeping every algorithm shares: the optimiser reset, and the objective
+  state's when its `reset_state` asks."""
   if spec.reset_optimizer:
     client = dict(client, opt_state=spec.tx.init(client['params']))
+  if 'objective' in client and spec.hparams.get('reset_state'):
+    client = dict(client, objective=jax.tree_util.tree_map(jnp.zeros_like, client['objective']))
   return client
 
 

@@ -208,6 +208,54 @@ def barlow_twins(z_a: jax.Array, z_b: jax.Array, *, off_diagonal_weight: float =
   return jnp.sum((1.0 - jnp.diagonal(c)) ** 2) + off_diagonal_weight * _off_diagonal_sq_sum(c)
 
 
+def moco_infonce(q: jax.Array, k: jax.Array, queue: jax.Array, valid: jax.Array,
+                 temperature: float) -> jax.Array:
+  """MoCo's InfoNCE (He et al., CVPR 2020; v2: Chen et al., arXiv:2003.04297): each query against
+  its own key (the positive) and the queue's keys (the negatives), cross-entropy with label 0.
+
+      logits_b = [q̂_b · k̂_b, q̂_b · queue_j for valid j] / temperature,  loss = mean_b CE(logits_b, 0)
+
+  Args:
+    q: float [B, d], online projections (queries; L2-normalised here).
+    k: float [B, d], momentum-encoder projections of the other view (keys; normalised here,
+      gradients stopped).
+    queue: float [K, d], earlier keys (unit rows; gradients stopped).
+    valid: bool [K], which queue rows hold a key (an unfilled slot is no negative).
+    temperature: > 0 (MoCo v2: 0.2).
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('q', 'k'), q, k)
+  check_positive('temperature', temperature)
+  q = l2_normalize(as_float(q))
+  k = jax.lax.stop_gradient(l2_normalize(as_float(k)))
+  positive = jnp.sum(q * k, axis=-1, keepdims=True)
+  negatives = jnp.where(valid[None, :], q @ jax.lax.stop_gradient(as_float(queue)).T, -jnp.inf)
+  logits = jnp.concatenate([positive, negatives], axis=1) / temperature
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits, jnp.zeros(logits.shape[0], jnp.int32)))
+
+
+def moco_enqueue(queue: jax.Array, ptr: jax.Array, count: jax.Array, keys: jax.Array
+                 ) -> Tuple[jax.Array, jax.Array, jax.Array]:
+  """MoCo's ring buffer: `keys` (L2-normalised) written at `ptr`, wrapping around.
+
+  Args:
+    queue: float [K, d]; ptr: int32 scalar, the next slot; count: int32 scalar, slots filled so far
+      (rows 0..count-1 hold keys while count < K: the ring fills in order).
+    keys: float [n, d], n <= K.
+  Returns:
+    (queue, ptr, count) after the write.
+  """
+  size, n = queue.shape[0], keys.shape[0]
+  if n > size:
+    raise ValueError(f'a step enqueues {n} keys into a queue of {size}: the queue must hold at '
+                     'least one step\'s keys (batch size x views)')
+  rows = (ptr + jnp.arange(n)) % size
+  queue = queue.at[rows].set(jax.lax.stop_gradient(l2_normalize(as_float(keys))))
+  return queue, (ptr + n) % size, jnp.minimum(count + n, size)
+
+
 def ema_update(target: Any, online: Any, tau: float) -> Any:
   """Exponential moving average of a pytree: tau * target + (1 - tau) * online, leaf by leaf.
 

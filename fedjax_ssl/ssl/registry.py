@@ -20,6 +20,12 @@ The loss is `loss(hparams, online, target, batch, shared) -> scalar`:
   batch    the step's batch: 'x' uint8 images [B, H, W, C], 'y' int labels [B], and 'mask' bool
            [B] when the epoch's ragged last batch is kept (only for `ragged_batches` objectives).
   shared   what an algorithm hands the loss each step (FedSC: (alpha, R_other)), None otherwise.
+
+An objective with per-client state (MoCo's queue) also takes `state`, the client's, as a sixth
+argument, and gives `update_state(hparams, state, online, target) -> state`, the state after the
+step (its inputs' gradients stopped). The state starts at zeros (`state_init(hparams, z_dim)` gives
+its shapes), lives with the client (kept by stateless clients, sitting-out clients and host-side
+client state), and `hparams['reset_state']`, when true, zeroes it at the start of every round.
 """
 from __future__ import annotations
 
@@ -55,6 +61,8 @@ class Objective:
     defaults: () -> ConfigDict, the block `config.<name>` with its defaults (may be empty).
     validate: (block) -> None, raising ConfigError for a bad value; None = nothing to check.
     hparams: config -> dict of the loss's hyper-parameters; None = the block's values.
+    state_init: (hparams, z_dim) -> pytree of zeros, the per-client state; None = stateless.
+    update_state: (hparams, state, online, target) -> state after a step (with `state_init`).
     doc: one line for listings and errors.
   """
   name: str
@@ -67,6 +75,8 @@ class Objective:
   defaults: Callable[[], ml_collections.ConfigDict] = _empty_block
   validate: Optional[Callable[[ml_collections.ConfigDict], None]] = None
   hparams: Optional[Callable[[ml_collections.ConfigDict], Dict[str, Any]]] = None
+  state_init: Optional[Callable[..., Any]] = None
+  update_state: Optional[Callable[..., Any]] = None
   doc: str = ''
 
   @property
@@ -112,6 +122,9 @@ def register(objective: Objective) -> Objective:
   if objective.target and 'ema_tau' not in objective.defaults():
     raise ValueError(f'objective {name!r} has a momentum target: its config block must have '
                      "'ema_tau' (the EMA rate of the target)")
+  if (objective.state_init is None) != (objective.update_state is None):
+    raise ValueError(f'objective {name!r}: state_init and update_state go together (per-client '
+                     'state needs both)')
   old = _REGISTRY.get(name)
   if old is not None and _origin(old.loss) != _origin(objective.loss):
     raise ValueError(f'objective {name!r} is already registered (loss {_origin(old.loss)[0]} in '

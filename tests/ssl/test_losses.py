@@ -327,3 +327,47 @@ def test_losses_jit_and_bad_inputs():
     losses.spectral_contrastive_loss(z, z, mu=-1.0)
   with pytest.raises(ValueError, match='labels'):
     losses.cross_entropy_loss(z, jnp.zeros((3,), jnp.int32))
+
+
+def np_moco_infonce(q, k, queue, valid, temperature):
+  """Per-query loops: -log softmax of [q̂·k̂, q̂·queue_j (valid j)] / T at the positive."""
+  total = 0.0
+  for qi, ki in zip(q, k):
+    qn, kn = qi / np.linalg.norm(qi), ki / np.linalg.norm(ki)
+    logits = [qn @ kn] + [qn @ queue[j] for j in range(len(queue)) if valid[j]]
+    logits = np.asarray(logits) / temperature
+    total += -(logits[0] - np.log(np.sum(np.exp(logits))))
+  return total / len(q)
+
+
+@pytest.mark.parametrize('count', [0, 3, 7])
+def test_moco_infonce_value_grad_and_stop_gradient(count):
+  rng = np.random.default_rng(11)
+  queue = randn(rng, 7, 5)
+  queue /= np.linalg.norm(queue, axis=1, keepdims=True)
+  valid = np.arange(7) < count
+  args = [randn(rng, 4, 5), randn(rng, 4, 5), queue]
+  jfn = lambda q, k, qu: losses.moco_infonce(q, k, qu, jnp.asarray(valid), 0.2)
+  nfn = lambda q, k, qu: np_moco_infonce(q, k, qu, valid, 0.2)
+  check_value_and_grads(jfn, nfn, args, grad_args=(0,),
+                        zero_grad_args=(1, 2) if count else ())
+  if count == 0:  # no negatives: the positive alone, loss 0
+    assert float(jfn(*[jnp.asarray(a, jnp.float32) for a in args])) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_moco_enqueue_is_a_ring_buffer():
+  rng = np.random.default_rng(12)
+  queue, ptr, count = jnp.zeros((5, 3)), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+  want = np.zeros((5, 3))
+  slot, filled = 0, 0
+  for n in (2, 2, 3):  # the third write wraps around: slots 4, 0, 1
+    keys = randn(rng, n, 3)
+    queue, ptr, count = losses.moco_enqueue(queue, ptr, count, jnp.asarray(keys, jnp.float32))
+    for key in keys:
+      want[slot] = key / np.linalg.norm(key)
+      slot = (slot + 1) % 5
+    filled = min(filled + n, 5)
+    np.testing.assert_allclose(np.asarray(queue), want, rtol=1e-6, atol=1e-7)
+    assert (int(ptr), int(count)) == (slot, filled)
+  with pytest.raises(ValueError, match='a step enqueues 6 keys into a queue of 5'):
+    losses.moco_enqueue(queue, ptr, count, jnp.zeros((6, 3)))

@@ -12,10 +12,11 @@ import pytest
 from fedjax_ssl import algorithms, configuration, experiment, models, run_identity, ssl
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from tests.algorithms import test_registry
 
-BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins')
+BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins', 'moco')
 
 
 def test_built_in_objectives_and_their_blocks():
@@ -26,6 +27,7 @@ def test_built_in_objectives_and_their_blocks():
   assert c.byol.ema_tau == 0.99 and c.simclr.temperature == 0.5 and not c.simclr.zero_diagonal
   assert (c.vicreg.sim_coeff, c.vicreg.std_coeff, c.vicreg.cov_coeff) == (25.0, 25.0, 1.0)
   assert c.barlow_twins.off_diagonal_weight == 0.0051
+  assert (c.moco.temperature, c.moco.queue_size, c.moco.ema_tau) == (0.2, 4096, 0.99)
   assert ssl.get('byol').shared == ('encoder', 'projector', 'predictor')
   assert ssl.get('vicreg').shared == ('encoder', 'projector')
   assert ssl.get('supervised').shared == ('encoder', 'head')
@@ -36,7 +38,8 @@ def test_algorithms_take_the_objectives_that_fit_them():
   accepted = lambda name: algorithms.registry.accepted_objectives(algorithms.get(name))
   assert set(accepted('fedavg')) >= set(BUILT_IN)
   assert accepted('fedu') == accepted('fedema') == ('byol', 'simsiam')
-  assert set(accepted('fedu2')) >= {'byol', 'simsiam', 'simclr', 'sc', 'vicreg', 'barlow_twins'}
+  assert set(accepted('fedu2')) >= {'byol', 'simsiam', 'simclr', 'sc', 'vicreg', 'barlow_twins',
+                                    'moco'}
   assert 'supervised' not in accepted('fedu2')
   assert accepted('fedsc') == ('sc',)
 
@@ -114,7 +117,7 @@ def test_client_spec_takes_an_objective_name_with_its_block_defaults():
   assert spec.hparams == {'temperature': 0.2, 'zero_diagonal': False}
 
 
-SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins')
+SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco')
          for name in algorithms.names() if name != 'fedprox_simclr'
          if objective in algorithms.registry.accepted_objectives(algorithms.get(name))]
 
@@ -126,7 +129,7 @@ def test_the_sweep_covers_the_general_algorithms():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name, objective', SWEEP)
-def test_vicreg_and_barlow_twins_run_a_round_of_every_algorithm_that_takes_them(name, objective):
+def test_the_new_objectives_run_a_round_of_every_algorithm_that_takes_them(name, objective):
   """One round: finite loss and state, and the shared modules moved (the loss has gradients)."""
   config = test_registry._small_config(name, ssl_method=objective)
   algo, state, metrics = test_registry._one_round(config)
@@ -196,3 +199,37 @@ def test_wide8192_preset_is_the_vicreg_and_barlow_twins_expander():
   shapes = {k: v['kernel'].shape for k, v in variables['params'].items() if 'kernel' in v}
   assert shapes == {'fc1': (512, 8192), 'fc1_2': (8192, 8192), 'fc2': (8192, 8192)}
   assert set(variables['batch_stats']) == {'bn', 'bn_2'}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('client_state', ['device', 'host'])
+def test_moco_queue_is_per_client_state_that_survives_rounds_it_sits_out(client_state):
+  """FedMoCo, 4 clients, 2 per round, 2 rounds of 2 steps of batch 32 (stateless FedAvg clients):
+  each participant's queue holds 32 keys per step it trained, a client that sat out keeps its
+  queue, and `moco.reset_state` keeps only the round's keys."""
+  def run(reset):
+    config = test_registry._small_config('fedavg', ssl_method='moco', client_state=client_state,
+                                         rounds=2)
+    config.moco.queue_size = 256
+    config.moco.reset_state = reset
+    experiment.validate_config(config)
+    dataset = experiment.load_data(config)
+    fed_data, _ = experiment.build_fed_data(config, dataset)
+    algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+    init_key, run_key = experiment.run_keys(config)
+    state = rd.init_state(algo, init_key, config.num_clients, client_state=client_state)
+    step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
+    for r in range(2):
+      state, metrics = step(state, fed_data, rng.round_key(run_key, r))
+      assert np.isfinite(float(metrics['loss']))
+    return np.asarray(jax.device_get(state.clients['objective']['count'])), state
+  counts, state = run(reset=False)
+  steps = 288 // 4 // 32  # each client's examples / batch, 1 local epoch
+  assert set(np.unique(counts)) <= {0, 32 * steps, 64 * steps}, counts
+  assert counts.sum() == 2 * 2 * 32 * steps  # 2 rounds x 2 participants
+  reset, _ = run(reset=True)
+  assert set(np.unique(reset)) <= {0, 32 * steps} and reset.sum() <= counts.sum()
+  queue = np.asarray(jax.device_get(state.clients['objective']['queue']))
+  for c, n in enumerate(counts):  # filled rows are unit keys, the rest still zero
+    np.testing.assert_allclose(np.linalg.norm(queue[c, :n], axis=1), 1.0, rtol=1e-5)
+    assert not queue[c, n:].any()
