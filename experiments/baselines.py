@@ -19,7 +19,8 @@ import numpy as np
 
 from fedjax_ssl.core import local, rng
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.core.algorithm import Algorithm, LocalData, persist_client, restore_client
+from fedjax_ssl.core.algorithm import (Algorithm, CohortSlots, LocalData, persist_client,
+                                        restore_client)
 from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
@@ -41,8 +42,15 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
     return ids, server, rd.round_message(algo, server, data), cfg.lr_fn(state.round)
 
   @jax.jit
-  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr, msg):
-    server, metrics = rd.aggregate_round(algo, state, server, ids, n_sel, payloads, losses, lr, msg)
+  def finish(state, server, ids, n_sel, new_sel, payloads, losses, lr, msg, key):
+    # The same fault screen as the vectorised round (core/faults.py), so both give the same state.
+    slots = (CohortSlots(ids, ids, jnp.ones(ids.shape, bool)),)
+    old = jax.tree_util.tree_map(lambda a: a[ids], state.clients)
+    (new_sel,), (payloads,), screened = rd.screen(cfg, state.round, key, slots, (old,), (new_sel,),
+                                                  (payloads,), (losses,))
+    server, metrics = rd.aggregate_round(algo, state, server, ids, n_sel, payloads,
+                                         screened.present[0], screened.loss, lr, msg)
+    metrics = dict(metrics, **rd.fault_metrics(cfg, slots, screened))
     clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
     return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
@@ -64,7 +72,7 @@ def make_sequential_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: i
       client = jax.tree_util.tree_map(lambda a: a[cid], state.clients)
       outs.append(per_client(client, rng.client_key(key, cid), jnp.int32(cid), data, msg, lr))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr, msg)
+    return finish(state, server, ids, data.n[ids], *stacked, lr, msg, key)
 
   return round_step
 
@@ -119,6 +127,6 @@ def make_stepwise_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int
       trained, payload = end(start, trained, msg, data, jnp.int32(cid), ckey)
       outs.append((trained, payload, jnp.mean(jnp.stack(losses))))
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *outs)
-    return finish(state, server, ids, data.n[ids], *stacked, lr, msg_all)
+    return finish(state, server, ids, data.n[ids], *stacked, lr, msg_all, key)
 
   return round_step

@@ -17,7 +17,10 @@ Settings (--setting):
     plus the server and the round's participants; each row reports the process's peak RSS (run one
     client count per process to read it per count). Variant `map_whole_state` is the same round
     with every client's whole state stored (FedAvg's stateful twin, what the engine did before
-    stateless clients), for the memory comparison; run it in a process of its own.
+    stateless clients), for the memory comparison; run it in a process of its own. Variant
+    `vmap_dropout` is the vmap round with each participant's upload lost with probability 0.1
+    (config.dropout_rate, core/faults.py): what simulating dropouts costs (its row counts the last
+    timed round's drops).
   * `scale`: skewed federations. Fashion-MNIST (the full training split) over --clients (default
     10,100,1000), IID and Dirichlet alpha = 0.1, 10 participants per round, FedEMA-BYOL (real
     per-client state) on small_cnn, batch 32, one local epoch, strategy vmap. Variants: `vmap_before`
@@ -136,7 +139,7 @@ _SETTINGS = {
 # Flag defaults of the cross-device setting (an explicitly given flag wins).
 CROSS_DEVICE_DEFAULTS = dict(models=['cross_device_cnn'], clients=['1000', '10000'], local_steps=5,
                              batch_size=10, augmentations=['none'], participants=50,
-                             variants=['stepwise', 'sequential', 'vmap', 'map'])
+                             variants=['stepwise', 'sequential', 'vmap', 'map', 'vmap_dropout'])
 
 
 MODEL_COMPUTE = 'flip'  # the preset whose rows compare with eager PyTorch
@@ -213,7 +216,11 @@ def _compiled_mb(step, state, fed, key) -> Dict[str, float]:
 BASELINES = ('stepwise', 'sequential')
 _VARIANT_STRATEGY = {'stepwise': ('vmap', 1), 'sequential': ('vmap', 1), 'vmap': ('vmap', 1),
                      'map': ('map', 1), 'map2': ('map', 2), 'map5': ('map', 5),
-                     'map10': ('map', 10), 'shard': ('shard', 1), 'map_whole_state': ('map', 1)}
+                     'map10': ('map', 10), 'shard': ('shard', 1), 'map_whole_state': ('map', 1),
+                     'vmap_dropout': ('vmap', 1)}
+# The `vmap_dropout` variant: the vmap round with each participant's upload lost at this rate
+# (config.dropout_rate, core/faults.py), the cross-device simulators' dropout knob.
+DROPOUT_RATE = 0.1
 # The eager-PyTorch references (experiments/torch_round.py), timed beside the 'flip' rows of the
 # models torch_round has: the official codes' per-client loop at PyTorch's fastest float32 (TF32 on
 # a GPU) and with bf16 autocast, and ONE model on the union batch C x B (bf16, channels_last; and
@@ -283,6 +290,8 @@ def prepare_variant(model: str, num_clients: int, variant: str, augmentation: st
   config = _config(model, num_clients, strategy, chunk, augmentation, precision)
   fed, ds = _data(_SETTINGS[model]['shape'], num_clients, FLAGS.local_steps * FLAGS.batch_size)
   algo = experiment.build_algorithm(config, ds)
+  if variant == 'vmap_dropout':
+    config.dropout_rate = DROPOUT_RATE
   rcfg = experiment.round_config(config)
   if variant == 'map_whole_state':
     # The stateful twin: every client's whole state stored, as before stateless clients.
@@ -331,6 +340,8 @@ def _summary(p: Dict[str, Any], variant: str, num_clients: int, flops_per_step: 
     out.update(loss=p['loss'], precision=TORCH_VARIANTS[variant]['precision'])
     return out
   out['loss'] = float(p['metrics']['loss'])
+  if 'dropped_clients' in p['metrics']:  # of the last timed round
+    out['dropped_clients'] = float(p['metrics']['dropped_clients'])
   # What the run keeps between rounds: the server and the per-client stored states (none for
   # stateless clients); the data is counted apart, in the row.
   out['state_mb'] = _tree_mb(p['state'])

@@ -27,7 +27,7 @@ from fedjax_ssl import models
 from fedjax_ssl import run_identity
 from fedjax_ssl import ssl
 from fedjax_ssl.algorithms.fedavg import BYOL_TARGET_SYNC
-from fedjax_ssl.core import optim, server_opt, strategies
+from fedjax_ssl.core import faults, optim, server_opt, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.data import augment, info as data_info, partition, sources
@@ -109,6 +109,12 @@ def default_config() -> ml_collections.ConfigDict:
   # as long as the longest one).
   c.vmap_shrink = 2.0
   c.client_state = 'device'       # device | host (stacked client state in host memory)
+  # Faults inside a round (core/faults.py): a participant whose upload is not finite is left out of
+  # the aggregate and rolled back to the start of the round; a round in which more than
+  # max_failed_fraction of the participants failed stops the run as diverged.
+  c.max_failed_fraction = 0.5
+  c.dropout_rate = 0.0            # each participant's upload is lost after training with this probability
+  c.inject_client_faults = ''     # experiment knob: 'ROUND:CLIENT,...' fail on purpose (rounds from 1)
   # Evaluation and bookkeeping.
   c.eval_every = 0                # kNN monitor every k rounds (0 = off)
   c.knn_k = 200                   # 0 = no kNN monitor (supervised runs report test_acc)
@@ -237,6 +243,17 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
   cv.check_choice('client_state', config.client_state, rd.CLIENT_STATES)
+  cv.check_float_range('max_failed_fraction', config.max_failed_fraction, 0.0, 1.0, (True, False))
+  cv.check_float_range('dropout_rate', config.dropout_rate, 0.0, 1.0, (True, False))
+  try:
+    injected = faults.parse(config.inject_client_faults)
+  except ValueError as e:
+    raise cv.ConfigError(str(e)) from None
+  for r, cid in injected:
+    if r >= config.rounds or cid >= config.num_clients:
+      raise cv.ConfigError(f'config.inject_client_faults entry {r + 1}:{cid} is invalid: the round '
+                           f'must be in [1, rounds={config.rounds}] and the client in '
+                           f'[0, num_clients={config.num_clients})')
   if config.vmap_shrink != 0:
     cv.check_float_range('vmap_shrink', config.vmap_shrink, 1.0, None, inclusive=(False, True))
   try:
@@ -398,4 +415,5 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       lr_fn=lambda r: optim.round_lr(base_lr, schedule, r, rounds),
       strategy=config.strategy, map_chunk_size=config.map_chunk_size,
       drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
-      client_state=config.client_state)
+      client_state=config.client_state, dropout_rate=float(config.dropout_rate),
+      inject_faults=faults.parse(config.inject_client_faults))

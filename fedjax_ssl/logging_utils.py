@@ -64,12 +64,15 @@ def to_python_scalar(key: str, value: Any) -> int | float:
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = '') -> dict[str, int | float]:
-  """Flattens nested dicts to ``'outer/inner'`` keys of python scalars."""
+  """Flattens nested dicts to ``'outer/inner'`` keys of python scalars (a list of integers, such
+  as the ids of a round's failed clients, is kept as a list)."""
   flat = {}
   for key, value in metrics.items():
     name = f'{prefix}{key}'
     if isinstance(value, Mapping):
       flat.update(flatten_metrics(value, prefix=f'{name}/'))
+    elif isinstance(value, (list, tuple)):
+      flat[name] = [int(to_python_scalar(name, v)) for v in value]
     else:
       flat[name] = to_python_scalar(name, value)
   return flat
@@ -138,7 +141,7 @@ class MetricsWriter:
       f.write(json.dumps(record) + '\n')
     tb = self._tb_writer()
     for key, value in record.items():
-      if key != 'round':
+      if key != 'round' and not isinstance(value, list):  # TensorBoard plots scalars only
         tb.add_scalar(key, value, global_step=round_idx)
     tb.flush()
     return record
@@ -176,7 +179,8 @@ class Progress(tqdm.tqdm):
 
   def set_metrics(self, metrics: Mapping[str, Any], refresh: bool = True) -> None:
     """Shows ``metrics`` (jax/numpy scalars allowed) as the bar's postfix."""
-    self.set_postfix(flatten_metrics(metrics), refresh=refresh)
+    self.set_postfix({k: v for k, v in flatten_metrics(metrics).items() if not isinstance(v, list)},
+                     refresh=refresh)
 
 
 def progress(total: int, initial: int = 0, desc: str = 'rounds',

@@ -291,9 +291,12 @@ class Divergence:
   value: Optional[float]
   last_finite_round: Optional[int]
   last_finite_value: Optional[float]
+  detail: Optional[str] = None
 
   def message(self, hint: str) -> str:
     """One line: round, quantity, value, last finite value, the hint."""
+    if self.detail is not None:
+      return f'error: diverged at round {self.round}/{self.rounds}: {self.detail}; {hint}'
     if self.value is None:
       what = f'{self.quantity} is not finite'
       last = (f' (finite through round {self.last_finite_round})'
@@ -309,7 +312,19 @@ class Divergence:
     return {'round': self.round, 'quantity': self.quantity,
             'value': None if self.value is None else repr(self.value),
             'last_finite_round': self.last_finite_round,
-            'last_finite_value': self.last_finite_value}
+            'last_finite_value': self.last_finite_value,
+            **({'detail': self.detail} if self.detail is not None else {})}
+
+
+def too_many_failed(round_idx: int, rounds: int, failed: Sequence[int], participants: int,
+                    max_fraction: float) -> Optional[Divergence]:
+  """The divergence of a round in which more than `max_fraction` of its `participants` failed
+  (their uploads were not finite, core/faults.py), or None."""
+  if len(failed) <= max_fraction * participants:
+    return None
+  return Divergence(round_idx, rounds, 'failed clients', float(len(failed)), None, None,
+                    detail=f'{len(failed)} of {participants} participants sent a non-finite update '
+                    f'(clients {list(failed)}), more than max_failed_fraction = {max_fraction:g}')
 
 
 def divergence_hint(lr: float, grad_clip_norm: float) -> str:

@@ -24,7 +24,9 @@ from fedjax_ssl import algorithms
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import ssl
 
-NEUTRAL_KEYS = ('checkpoint_every', 'eval_every')
+# max_failed_fraction only decides whether a run stops after a round of failed clients, never what a
+# round computes: a resume may raise it to go on past such a stop.
+NEUTRAL_KEYS = ('checkpoint_every', 'eval_every', 'max_failed_fraction')
 
 # Keys a config ignores given its other values: left out of `run_key` (centralized training under
 # the IID and the Dirichlet column is the same run). The config blocks of the algorithms not

@@ -287,8 +287,15 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
                         f'{compile_times.wall:.1f}s', echo=False)
     else:
       state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+    failed = [int(i) for i in np.asarray(metrics.pop('failed_ids')) if i >= 0]
     record = {k: float(v) for k, v in metrics.items()}
-    diverged = watch.check(r + 1, record, params_finite(state.server))
+    diverged = (run_guard.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
+                                          config.max_failed_fraction)
+                or watch.check(r + 1, record, params_finite(state.server)))
+    if failed:
+      record['failed_ids'] = failed
+      logging_utils.say(f'round {r + 1}: client(s) {failed} sent a non-finite update, left out of '
+                        'the aggregate and rolled back to the start of the round', echo=False)
     if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
       record.update(algo.host_metrics(state))
     if diverged is not None:  # no evaluation and no checkpoint of a non-finite state

@@ -101,7 +101,7 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
       name='fd', init=init, broadcast=lambda server: server, begin=begin, local_step=local_step,
      
       upload=lambda client, msg, local: summarize(client, local),
-      aggregate=lambda server, payloads, weights, ids: repshare.store_uploads(server, payloads, ids),
+      aggregate=repshare.store_uploads,
       eval_variables=lambda state: (repshare.variables_of(state.clients), True),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),

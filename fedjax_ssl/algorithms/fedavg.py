@@ -209,4 +209,4 @@ def validate_centralized(config: ml_collections.ConfigDict, dataset_info=None) -
 
 registry.register('fedavg', build, doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
 registry.register('centralized', build_centralized, validate=validate_centralized,
-                  doc='one client holding all the data')
+                  doc='one client holding all the data', aggregates=False)

@@ -33,7 +33,8 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import ssl
 from fedjax_ssl.algorithms import fedavg, hetero_ssfl, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, Stateless, replicate, weighted_mean
+from fedjax_ssl.core.algorithm import (Algorithm, Stateless, present_ids, replicate,
+                                        weighted_mean)
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import fedca as ops
@@ -199,8 +200,10 @@ def make(spec: ssl_client.ClientSpec, *, client_sizes, fc: FedCAConfig = FedCACo
     new = jax.vmap(lambda o, e, s: ops.update_dictionary(o, e, s, fc.dict_momentum))(
         old, payloads['dict'], seen)
     new = jnp.where(entry_mask[ids][..., None], new, 0).astype(server['dict'].dtype)
-    return dict(server, **model, dict=server['dict'].at[ids].set(new),
-                seen=server['seen'].at[ids].set(1.0))
+    # An absent participant (weight 0) leaves its dictionary rows and `seen` flag as they were.
+    rows = present_ids(ids, weights, server['seen'].shape[0])
+    return dict(server, **model, dict=server['dict'].at[rows].set(new, mode='drop'),
+                seen=server['seen'].at[rows].set(1.0, mode='drop'))
 
   algo = fedavg.global_model_algorithm(spec, name='fedca', init=init, begin=begin)
   return dataclasses.replace(

@@ -28,7 +28,8 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, Prepare, replicate, weighted_mean
+from fedjax_ssl.core.algorithm import (Algorithm, GlobalModel, Prepare, replicate, uniform_weights,
+                                        weighted_mean)
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
@@ -204,7 +205,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
 
   def aggregate(server, payloads, weights, ids):
     if model_weights == 'uniform':
-      weights = jnp.full_like(weights, 1.0 / weights.shape[0])
+      weights = uniform_weights(weights)
     return dict(server, model=weighted_mean(payloads, weights))
 
   def prepare_upload_bytes(state, after):

@@ -33,7 +33,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, weighted_mean
+from fedjax_ssl.core.algorithm import Algorithm, GlobalModel, present, weighted_mean
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import min_norm, uot
 
@@ -72,21 +72,29 @@ def eua_coefficients(gram_dev: jax.Array, weights: jax.Array, *, direction: str,
   """EUA's update as coefficients on the deviations: theta_g <- theta_g - sum_k coef_k Delta_k.
 
   Args:
-    gram_dev: [m, m] deviation Gram matrix (`deviation_gram`). weights: [m] data weights.
+    gram_dev: [m, m] deviation Gram matrix (`deviation_gram`). weights: [m] data weights; an
+      absent participant (weight 0, core/faults.py) is left out of the min-norm solve (coef 0).
   Returns:
     {'coef' [m], 'p' [m] min-norm weights, 'deviation' [m] ||Delta_k||, 'step_norm' scalar}.
   """
   sq_dev = jnp.maximum(jnp.diagonal(gram_dev), 0.0)
   s = direction_scales(sq_dev, direction)
   gram = gram_dev * s[:, None] * s[None, :]
-  p = min_norm.simplex_min_norm(gram, solver, num_iters=solver_iters or None, c=admm_c,
-                                rho=admm_rho)
+  solve = lambda mask: min_norm.simplex_min_norm(gram, solver, num_iters=solver_iters or None,
+                                                 c=admm_c, rho=admm_rho, mask=mask)
+  here = present(weights)
+  # With everyone present, the unmasked solve: the same arithmetic as before absences existed.
+  # Both are computed (an [m, m] problem, cheap beside the round) and one selected: under a
+  # `lax.cond` XLA compiles the ADMM loop differently, and its weights, which the objective pins
+  # down only loosely, move by 1e-3 (measured: docs/notes/reliability.md).
+  p = jnp.where(jnp.all(here), solve(None), solve(here))
   d_norm = jnp.sqrt(jnp.maximum(p @ gram @ p, 0.0))
   lr = server_lr
   if step == 'deviation':
     target = server_lr * jnp.sum(weights * jnp.sqrt(sq_dev))
     lr = jnp.where(d_norm > 0, target / jnp.where(d_norm > 0, d_norm, 1.0), 0.0)
-  return {'coef': lr * p * s, 'p': p, 'deviation': jnp.sqrt(sq_dev), 'step_norm': lr * d_norm}
+  return {'coef': lr * p * s, 'p': p, 'deviation': jnp.where(here, jnp.sqrt(sq_dev), 0.0),
+          'step_norm': lr * d_norm}
 
 
 def apply_coefficients(glob: Any, stacked: Any, coef: jax.Array) -> Any:

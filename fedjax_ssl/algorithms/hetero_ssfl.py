@@ -243,9 +243,9 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
     return {'reps': reps, 'weights': w, 'mu': server['mu']}
 
   def aggregate(server, payloads, weights_, slots):
-    del weights_
-    reps = tuple(r.at[s.local].set(p.astype(r.dtype), mode='drop')
-                 for r, p, s in zip(server['reps'], payloads, slots))
+    # Unfilled slots and absent participants weigh 0: their representations stay as they were.
+    reps = tuple(r.at[jnp.where(w > 0, s.local, r.shape[0])].set(p.astype(r.dtype), mode='drop')
+                 for r, p, w, s in zip(server['reps'], payloads, weights_, slots))
     return dict(server, reps=reps)
 
   def eval_variables(state):

@@ -57,4 +57,4 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 registry.register('independent', build, defaults=config_block,
                   doc='each client trains alone (IL / local SSL), evaluated client by client',
-                  global_model=False)
+                  global_model=False, aggregates=False)

@@ -15,7 +15,7 @@ import dataclasses
 import ml_collections
 
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm
+from fedjax_ssl.core.algorithm import Algorithm, uniform_weights
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import ldawa as ldawa_ops
 
@@ -26,7 +26,9 @@ def make(spec: ssl_client.ClientSpec, *, size_weights: bool = False,
   `stateless` as in fedavg.make)."""
   def aggregate(server, payloads, weights, ids):
     del ids
-    return ldawa_ops.aggregate(payloads, server, weights if size_weights else None)
+    # Uniform over the present participants (an absent one weighs 0: core/faults.py).
+    return ldawa_ops.aggregate(payloads, server,
+                               weights if size_weights else uniform_weights(weights))
   return dataclasses.replace(
       fedavg.make(spec, byol_target_sync=byol_target_sync, name='ldawa', stateless=stateless), aggregate=aggregate)
 

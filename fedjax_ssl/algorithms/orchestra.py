@@ -40,7 +40,7 @@ import ml_collections
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import models
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, Stateless, replicate, weighted_mean
+from fedjax_ssl.core.algorithm import Algorithm, Stateless, present, replicate, weighted_mean
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.models import layers
 from fedjax_ssl.ops import orchestra as ops
@@ -242,9 +242,16 @@ def make(spec: ssl_client.ClientSpec, *, oc: OrchestraConfig = OrchestraConfig()
     del ids
     model = weighted_mean({k: payloads[k] for k in ('params', 'batch_stats', 'target')}, weights)
     local = payloads['local_centroids']
+    per_client = local.shape[1]
     local = local.reshape((-1, local.shape[-1]))                  # [m * L, P]
-    centroids = ops.global_clustering(local, server['centroids'], oc.temperature,
-                                      iters=oc.global_iters, lam=oc.sinkhorn_lambda)
+    cluster = lambda rows: ops.global_clustering(local, server['centroids'], oc.temperature,
+                                                 iters=oc.global_iters, lam=oc.sinkhorn_lambda,
+                                                 rows=rows)
+    here = present(weights)
+    # An absent participant's local centroids leave the clustering; with everyone present, the
+    # unmasked clustering (the same arithmetic as before absences existed).
+    centroids = jax.lax.cond(jnp.all(here), lambda: cluster(None),
+                             lambda: cluster(jnp.repeat(here, per_client)))
     return dict(model, centroids=centroids, rounds_done=server['rounds_done'] + 1)
 
   return Algorithm(

@@ -71,6 +71,9 @@ class Entry:
     plan: (config, DataInfo) -> Plan | None, what the run will spend (None: nothing to plan).
     global_model: the server keeps a global model (the built Algorithm declares `global_model`),
       so `config.server_optimizer` applies; False refuses a server optimizer.
+    aggregates: the server combines the participants' uploads, so a failed or dropped upload can
+      be left out of it (core/faults.py); False (independent training, one centralized client)
+      refuses the dropout and fault-injection knobs.
   """
   name: str
   build: Callable[[ml_collections.ConfigDict, Any], Any]
@@ -84,6 +87,7 @@ class Entry:
   methods_note: str = ''
   plan: Optional[Callable[[ml_collections.ConfigDict, Any], Optional[Plan]]] = None
   global_model: bool = True
+  aggregates: bool = True
 
 
 _REGISTRY: Dict[str, Entry] = {}
@@ -103,7 +107,7 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
              needs: Sequence[str] = (),
              exclusive: Sequence[str] = (), encoders: Optional[Callable] = None,
              doc: str = '', methods_note: str = '', plan: Optional[Callable] = None,
-             global_model: bool = True) -> Entry:
+             global_model: bool = True, aggregates: bool = True) -> Entry:
   """Adds algorithm `name` (see `Entry` for the arguments) and returns its entry.
 
   Registering a name again is allowed only from the same `build` function (a config file that is
@@ -126,7 +130,8 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
   entry = Entry(name=name, build=build, defaults=defaults or _empty_block, validate=validate,
                 methods=None if methods is None else tuple(methods), needs=tuple(needs),
                 exclusive=tuple(exclusive), encoders=encoders, doc=doc,
-                methods_note=methods_note, plan=plan, global_model=global_model)
+                methods_note=methods_note, plan=plan, global_model=global_model,
+                aggregates=aggregates)
   _REGISTRY[name] = entry
   return entry
 
@@ -162,6 +167,12 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
     raise cv.ConfigError(f'config.server_optimizer = {config.server_optimizer!r} (server_lr = '
                          f'{config.server_lr}) is invalid for algorithm {entry.name!r}: it keeps '
                          "no global model to step; use 'sgd' with server_lr = 1.0")
+  if not entry.aggregates:
+    for key, off in (('dropout_rate', 0.0), ('inject_client_faults', '')):
+      if config.get(key, off) != off:
+        raise cv.ConfigError(f'config.{key} = {config[key]!r} is invalid for algorithm '
+                             f'{entry.name!r}: it has no aggregate to leave an upload out of '
+                             f'({entry.doc}); leave it at {off!r}')
   if entry.validate is not None:
     entry.validate(config, dataset_info)
 

@@ -36,7 +36,7 @@ import ml_collections
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import models
 from fedjax_ssl.algorithms import fedavg, registry, ssl_client
-from fedjax_ssl.core.algorithm import Algorithm, LocalData, Prepare
+from fedjax_ssl.core.algorithm import Algorithm, LocalData, Prepare, present_ids
 from fedjax_ssl.core import comm, rng
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import DataInfo
@@ -131,10 +131,11 @@ def initial_summaries(summarize, clients, data, key: jax.Array) -> Dict[str, jax
   return jax.lax.map(one, jnp.arange(num))
 
 
-def store_uploads(server, payloads, ids) -> Dict[str, jax.Array]:
-  """The relay buffer with the participants' rows replaced by their uploads."""
-  return dict(server, **{k: server[k].at[ids].set(v.astype(server[k].dtype))
-                         for k, v in payloads.items()})
+def store_uploads(server, payloads, weights, ids) -> Dict[str, jax.Array]:
+  """The relay buffer with the present participants' rows replaced by their uploads (an absent
+  participant, weight 0, keeps its row of the last round it was present in)."""
+  return dict(server, **{k: server[k].at[present_ids(ids, weights, server[k].shape[0])].set(
+      v.astype(server[k].dtype), mode='drop') for k, v in payloads.items()})
 
 
 def variables_of(client) -> Dict[str, Any]:
@@ -246,7 +247,7 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
       name='repshare', init=init, broadcast=broadcast, begin=begin, local_step=local_step,
      
       upload=lambda client, msg, local: summarize(client, local),
-      aggregate=lambda server, payloads, weights, ids: store_uploads(server, payloads, ids),
+      aggregate=store_uploads,
       eval_variables=lambda state: (variables_of(state.clients), True),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),

@@ -14,7 +14,8 @@ Every method provides:
                                                              payloads computed from its own data,
                                                              e.g. per-class feature means)
   aggregate(server, payloads [m, ...], weights [m], ids [m]) -> server   (weights sum to 1; ids
-                                                             are the participants' client ids)
+                                                             are the participants' client ids;
+                                                             weight 0 marks an absent one, below)
   eval_variables(state)                  -> (variables, per_client: bool) for evaluating encoders
   encoder_apply(variables, x)            -> [B, d]         (backbone features in inference mode)
 
@@ -50,6 +51,13 @@ serve; an algorithm without them computes exactly what it did before they existe
   (clients keep personal models, evaluated one by one), `ragged_batches` (local_step honours
   batch['mask'], for drop_last=False), `uses_public` (the engine adds FedData.public_x to the
   broadcast as msg['public_x']: Hetero-SSFL's RAD).
+
+A participant whose upload failed (not finite) or was lost (a dropout) is *absent* (core/faults.py):
+the engine gives it weight 0 and zeros its payload, and `aggregate` must then return what it would
+return had that participant not taken part (a weighted mean does so by itself; a uniform mean, a
+scatter into per-client server buffers, a clustering or a min-norm solve use `present`,
+`uniform_weights` and `present_ids` below). When nobody is present the engine keeps the server of
+`prepare` and does not call on the result of `aggregate`.
 
 Communication (core/comm.py) is measured from these pytrees: a participant sends its `upload`
 payload and receives its (personalised) broadcast, less the public set, which is sent once.
@@ -206,6 +214,24 @@ def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
                         precision=jax.lax.Precision.HIGHEST)
     return out.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else jnp.round(out).astype(leaf.dtype)
   return jax.tree_util.tree_map(avg, stacked)
+
+
+def present(weights: jax.Array) -> jax.Array:
+  """bool [m]: the participants present in the aggregate (weight > 0; absent ones weigh 0)."""
+  return weights > 0
+
+
+def uniform_weights(weights: jax.Array) -> jax.Array:
+  """[m] 1/m' over the m' present participants, 0 for the absent (all 0 when none is present)."""
+  p = present(weights).astype(weights.dtype)
+  total = jnp.sum(p)
+  return p / jnp.where(total > 0, total, 1)
+
+
+def present_ids(ids: jax.Array, weights: jax.Array, size: int) -> jax.Array:
+  """int32 [m]: `ids` with absent participants sent past the end (`size`), so that a scatter
+  `buffer.at[present_ids(...)].set(rows, mode='drop')` leaves their rows of the buffer as they were."""
+  return jnp.where(present(weights), ids, size).astype(jnp.int32)
 
 
 def replicate(tree: Any, num_clients: int) -> Any:

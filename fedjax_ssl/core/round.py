@@ -7,7 +7,7 @@ benchmark.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ import numpy as np
 
 from fedjax_ssl.core.algorithm import (Algorithm, Cohort, CohortSlots, LocalData, persist_client,
                                         restore_client)
-from fedjax_ssl.core import comm, local, rng, strategies
+from fedjax_ssl.core import comm, faults, local, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
 
@@ -38,6 +38,10 @@ class RoundConfig:
       about its real steps; 0 runs every participant as long as the longest one.
     client_state: 'device' keeps the stacked client state on the accelerator; 'host' keeps it in
       host memory and moves only the round's participants (`make_round_step`).
+    dropout_rate: probability that a participant's upload is lost after it trained (core/faults.py);
+      each participant draws independently, from the round key and its id.
+    inject_faults: (round index from 0, client id) pairs whose upload and trained state are made
+      non-finite in that round, to exercise the isolation of failed clients (core/faults.py).
   """
   clients_per_round: int
   local_epochs: int
@@ -48,6 +52,8 @@ class RoundConfig:
   drop_last: bool = True
   vmap_shrink: float = 2.0
   client_state: str = 'device'
+  dropout_rate: float = 0.0
+  inject_faults: Tuple[Tuple[int, int], ...] = ()
 
 
 CLIENT_STATES = ('device', 'host')
@@ -167,32 +173,106 @@ def round_message(algo: Algorithm, server, data: FedData):
   return msg
 
 
-def aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, losses, lr,
-                     msg):
-  """(server after `aggregate`, round metrics) of a single-cohort round."""
+def aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, present,
+                    loss, lr, msg):
+  """(server after `aggregate`, round metrics) of a single-cohort round.
+
+  `present` (bool [m]) and `loss` come from the round's fault `screen`: absent participants weigh
+  0, and a round without any present participant keeps the server of `prepare`.
+  """
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-  weights = n_sel.astype(fdtype) / jnp.sum(n_sel).astype(fdtype)
+  counts = jnp.where(present, n_sel, 0).astype(fdtype)
+  total = jnp.sum(counts)
   prepared = server
-  server = algo.aggregate(server, payloads, weights, ids)
-  metrics = {'loss': jnp.mean(losses), 'lr': lr,
+  server = algo.aggregate(server, payloads, counts / jnp.where(total > 0, total, 1), ids)
+  server = _keep_if_nobody(present, server, prepared)
+  metrics = {'loss': loss, 'lr': lr,
              **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state, prepared)}
   return server, metrics
 
 
 def _aggregate_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, payloads,
-                            losses, lr, m: int, msg):
-  """(server, metrics) of a multi-cohort round (per-cohort tuples; unfilled slots weigh 0)."""
+                            screened, lr, msg):
+  """(server, metrics) of a multi-cohort round (per-cohort tuples; unfilled slots and absent
+  participants weigh 0)."""
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   prepared = server
-  counts = tuple(jnp.where(s.valid, n, 0).astype(fdtype) for s, n in zip(slots, n_sel))
+  counts = tuple(jnp.where(p, n, 0).astype(fdtype) for p, n in zip(screened.present, n_sel))
   total = sum(jnp.sum(c) for c in counts)
-  server = algo.aggregate(server, payloads, tuple(c / total for c in counts), slots)
-  loss = sum(jnp.sum(jnp.where(s.valid, l, 0.0)) for s, l in zip(slots, losses)) / m
-  metrics = {'loss': loss, 'lr': lr,
+  safe = jnp.where(total > 0, total, 1)
+  server = algo.aggregate(server, payloads, tuple(c / safe for c in counts), slots)
+  server = _keep_if_nobody(jnp.concatenate(screened.present), server, prepared)
+  metrics = {'loss': screened.loss, 'lr': lr,
              **comm.round_metrics(algo, msg, payloads, tuple(jnp.sum(s.valid) for s in slots), state,
                                  prepared)}
   return server, metrics
+
+
+def _keep_if_nobody(present: jax.Array, server, prepared):
+  """`server`, or `prepared` (the server before `aggregate`) when no participant is present."""
+  anyone = jnp.any(present)
+  return jax.tree_util.tree_map(lambda a, b: jnp.where(anyone, a, b), server, prepared)
+
+
+class Screened(NamedTuple):
+  """A round's participants after the fault screen (per cohort tuples over its slots).
+
+  Attributes:
+    present: bool [S] per cohort: the upload reaches the aggregate.
+    failed: bool [S] per cohort: upload or loss not finite (state rolled back).
+    dropped: bool [S] per cohort: upload lost after training (state kept).
+    loss: float32 scalar, the mean loss over the participants that did not fail (NaN if all did).
+  """
+  present: Tuple
+  failed: Tuple
+  dropped: Tuple
+  loss: jax.Array
+
+
+def screen(cfg: RoundConfig, round_idx, key, slots, old, new, payloads, losses):
+  """The fault screen of a round (core/faults.py), per cohort.
+
+  Args:
+    slots: per cohort CohortSlots. old / new: per cohort stored states [S, ...] before and after
+      the round. payloads: per cohort uploads [S, ...]. losses: per cohort mean losses [S].
+  Returns:
+    (new stored states with failed participants rolled back, payloads with absent ones zeroed,
+     Screened).
+  """
+  out_new, out_pay, present, failed, dropped = [], [], [], [], []
+  loss_sum, loss_n = 0.0, 0
+  for sl, o, n, p, l in zip(slots, old, new, payloads, losses):
+    size = sl.ids.shape[0]
+    if cfg.inject_faults:
+      flag = faults.injected(cfg.inject_faults, round_idx, sl.ids) & sl.valid
+      n, p = faults.poison_rows(flag, n), faults.poison_rows(flag, p)
+      l = jnp.where(flag, jnp.nan, l)
+    fail = sl.valid & ~(faults.finite_rows(p, size) & jnp.isfinite(l))
+    drop = faults.dropped(key, sl.ids, cfg.dropout_rate) & sl.valid & ~fail
+    pres = sl.valid & ~fail & ~drop
+    out_new.append(faults.select_rows(~fail, n, o))
+    out_pay.append(faults.zero_rows(pres, p))
+    trained_ok = sl.valid & ~fail
+    loss_sum = loss_sum + jnp.sum(jnp.where(trained_ok, l, 0.0))
+    loss_n = loss_n + jnp.sum(trained_ok)
+    present.append(pres)
+    failed.append(fail)
+    dropped.append(drop)
+  loss = loss_sum / jnp.asarray(loss_n, jnp.float32)
+  return tuple(out_new), tuple(out_pay), Screened(tuple(present), tuple(failed), tuple(dropped),
+                                                  loss)
+
+
+def fault_metrics(cfg: RoundConfig, slots, screened: Screened) -> Dict[str, jax.Array]:
+  """The round's fault counts: 'failed_clients' (float32), 'failed_ids' (int32 [sum S], the failed
+  participants' ids, -1 elsewhere) and, with dropouts on, 'dropped_clients'."""
+  out = {'failed_clients': sum(jnp.sum(f) for f in screened.failed).astype(jnp.float32),
+         'failed_ids': jnp.concatenate([jnp.where(f, s.ids, -1).astype(jnp.int32)
+                                        for f, s in zip(screened.failed, slots)])}
+  if cfg.dropout_rate > 0:
+    out['dropped_clients'] = sum(jnp.sum(d) for d in screened.dropped).astype(jnp.float32)
+  return out
 
 
 def _gather(stacks: Tuple, slots: Tuple[CohortSlots, ...]) -> Tuple:
@@ -229,6 +309,12 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
   if cfg.client_state not in CLIENT_STATES:
     raise ValueError(f'client_state = {cfg.client_state!r} is invalid: must be one of '
                      f'{CLIENT_STATES}')
+  if not 0 <= cfg.dropout_rate < 1:
+    raise ValueError(f'dropout_rate = {cfg.dropout_rate} is invalid: must be in [0, 1)')
+  for r, c in cfg.inject_faults:
+    if r < 0 or not 0 <= c < num_clients:
+      raise ValueError(f'inject_faults entry (round {r}, client {c}) is invalid: rounds count '
+                       f'from 0 and client ids lie in [0, {num_clients})')
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
@@ -287,13 +373,15 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     lr = cfg.lr_fn(state.round)
     outs = [train(f, st, sl, data, key, msg, lr) for f, st, sl in zip(fns, sel, slots)]
     n_sel, new_sel, payloads, losses = (tuple(o[i] for o in outs) for i in range(4))
+    new_sel, payloads, screened = screen(cfg, state.round, key, slots, sel, new_sel, payloads,
+                                         losses)
     if algo.cohorts:
       server, metrics = _aggregate_cohort_round(algo, state, server, slots, n_sel, payloads,
-                                                losses, lr, m, msg)
+                                                screened, lr, msg)
     else:
       server, metrics = aggregate_round(algo, state, server, ids, n_sel[0], payloads[0],
-                                         losses[0], lr, msg)
-    return server, new_sel, metrics
+                                         screened.present[0], screened.loss, lr, msg)
+    return server, new_sel, dict(metrics, **fault_metrics(cfg, slots, screened))
 
   if cfg.client_state == 'host':
     if algo.prepare is not None and algo.prepare.reads_clients:

@@ -44,7 +44,8 @@ COSINE_EPS = 1e-8
 
 def sinkhorn_knopp(scores: jax.Array, lam: float = SINKHORN_LAMBDA,
                    max_iters: int = GLOBAL_SINKHORN_ITERS, tol: float = SINKHORN_TOL,
-                   check_every: int = SINKHORN_CHECK_EVERY) -> jax.Array:
+                   check_every: int = SINKHORN_CHECK_EVERY, rows: jax.Array | None = None
+                   ) -> jax.Array:
   """Equal-size soft assignments of N samples to K clusters (the release's `sknopp`).
 
   With P0 = softmax(lam * scores) row-wise, transposed to [K, N], and r = 1/K, c = 1/N:
@@ -65,6 +66,8 @@ def sinkhorn_knopp(scores: jax.Array, lam: float = SINKHORN_LAMBDA,
     max_iters: iteration cap (>= 1).
     tol: stopping tolerance on the checked err (>= 0).
     check_every: err is recomputed at iterations i with i % check_every == 0 (>= 1).
+    rows: optional bool [N] (at least one True): the samples that take part; the others get c_n = 0
+      and a zero row of Q, and N counts the True rows only (the assignment of those rows alone).
   Returns:
     float [N, K] soft assignments (rows sum to 1, columns to N/K at convergence).
   """
@@ -77,19 +80,24 @@ def sinkhorn_knopp(scores: jax.Array, lam: float = SINKHORN_LAMBDA,
   n, k = scores.shape
   dtype = scores.dtype
   p = jax.nn.softmax(lam * scores, axis=1).T                       # [K, N]
+  if rows is None:
+    c0, inv_n = jnp.full((n,), 1.0 / n, dtype), 1.0 / n
+  else:
+    live = rows.astype(dtype)
+    n = jnp.sum(live)
+    c0 = inv_n = live / n  # 0 off the rows, so they weigh nothing in r and stay 0 in c
 
   def body(i, carry):
     r, c, err, done = carry
     r_new = (1.0 / k) / (p @ c)
-    c_new = (1.0 / n) / (r_new @ p)
+    c_new = inv_n / (r_new @ p)
     ratio = jnp.abs(c / c_new - 1.0)
     err_new = jnp.where(i % check_every == 0, jnp.sum(jnp.where(jnp.isnan(ratio), 0.0, ratio)), err)
     keep = lambda old, new: jnp.where(done, old, new)
     r, c, err = keep(r, r_new), keep(c, c_new), keep(err, err_new)
     return r, c, err, done | (err < tol)
 
-  init = (jnp.full((k,), 1.0 / k, dtype), jnp.full((n,), 1.0 / n, dtype),
-          jnp.asarray(1e3, dtype), jnp.zeros((), bool))
+  init = (jnp.full((k,), 1.0 / k, dtype), c0, jnp.asarray(1e3, dtype), jnp.zeros((), bool))
   r, c, _, _ = jax.lax.fori_loop(0, max_iters, body, init)
   return n * (p.T * c[:, None]) * r[None, :]
 
@@ -167,7 +175,7 @@ def local_clustering(memory: jax.Array, key: jax.Array, num_clusters: int,
 
 
 def global_clustering_loss(centroids: jax.Array, local_centroids: jax.Array, targets: jax.Array,
-                           temperature: float) -> jax.Array:
+                           temperature: float, rows: jax.Array | None = None) -> jax.Array:
   """The server's clustering objective for fixed targets (the release's `global_clustering` loss):
 
     p_n = softmax(normalize(z_n) @ centroids^T / T)          [N, K]
@@ -178,6 +186,7 @@ def global_clustering_loss(centroids: jax.Array, local_centroids: jax.Array, tar
     local_centroids: float [N, D] the round's local centroids z_n.
     targets: float [N, K] Sinkhorn-Knopp assignments (constants).
     temperature: T > 0.
+    rows: optional bool [N]: average over these rows only (the others' z_n are not there).
   Returns:
     scalar.
   """
@@ -185,14 +194,18 @@ def global_clustering_loss(centroids: jax.Array, local_centroids: jax.Array, tar
   targets = jax.lax.stop_gradient(targets)
   dots = jnp.sum(targets * probs, axis=1)
   norms = jnp.linalg.norm(targets, axis=1) * jnp.linalg.norm(probs, axis=1)
-  return -jnp.mean(dots / jnp.maximum(norms, COSINE_EPS))
+  cos = dots / jnp.maximum(norms, COSINE_EPS)
+  if rows is None:
+    return -jnp.mean(cos)
+  return -jnp.sum(jnp.where(rows, cos, 0)) / jnp.sum(rows).astype(cos.dtype)
 
 
 def global_clustering(local_centroids: jax.Array, centroids: jax.Array, temperature: float,
                       iters: int = GLOBAL_ITERS, lr: float = GLOBAL_LR,
                       momentum: float = GLOBAL_MOMENTUM, weight_decay: float = GLOBAL_WEIGHT_DECAY,
                       lam: float = SINKHORN_LAMBDA,
-                      sinkhorn_iters: int = GLOBAL_SINKHORN_ITERS) -> jax.Array:
+                      sinkhorn_iters: int = GLOBAL_SINKHORN_ITERS,
+                      rows: jax.Array | None = None) -> jax.Array:
   """The server's global centroids from the round's local centroids (the release's
   `global_clustering`: Genevay et al.'s stochastic OT clustering with Sinkhorn targets).
 
@@ -209,6 +222,8 @@ def global_clustering(local_centroids: jax.Array, centroids: jax.Array, temperat
     temperature: T > 0 of the predicted assignments.
     iters, lr, momentum, weight_decay: the SGD run (the release: 500, 0.01, 0.9, 1e-4).
     lam, sinkhorn_iters: Sinkhorn's multiplier and cap (25, 100).
+    rows: optional bool [N]: the local centroids that take part (those of the round's present
+      participants, core/faults.py); the clustering of those rows alone.
   Returns:
     float [K, D] unit-norm global centroids.
   """
@@ -218,8 +233,8 @@ def global_clustering(local_centroids: jax.Array, centroids: jax.Array, temperat
 
   def body(_, carry):
     w, buf = carry
-    q = sinkhorn_knopp(local_centroids @ w.T, lam, sinkhorn_iters)
-    g = grad(w, local_centroids, q, temperature) + weight_decay * w
+    q = sinkhorn_knopp(local_centroids @ w.T, lam, sinkhorn_iters, rows=rows)
+    g = grad(w, local_centroids, q, temperature, rows) + weight_decay * w
     buf = momentum * buf + g
     return l2_normalize(w - lr * buf), buf
 

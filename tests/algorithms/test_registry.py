@@ -3,6 +3,7 @@ bfloat16, issue 29) and refuses an unknown key in its block; a user's own algori
 (configs/examples/custom_algorithm.py) registers from its own file and computes FedSimCLR exactly at
 mu = 0."""
 import collections
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -91,7 +92,9 @@ def test_registry_lists_the_built_in_algorithms():
 def test_every_registered_algorithm_builds_validates_and_runs_a_bf16_round(name):
   """One round per algorithm, in bfloat16 (issue 29: every algorithm runs under mixed precision;
   float32, the default, is what each algorithm's own tests run): the local training contracts in
-  bf16, the whole state stays float32 and finite, evaluation's features are float32."""
+  bf16, the whole state stays float32 and finite, evaluation's features are float32. And one of the
+  round's participants fails on purpose (issue 50, core/faults.py): it is counted and named, left
+  out (the state stays finite) and rolled back to its state before the round."""
   assert set(algorithms.names()) - {'fedprox_simclr'} == set(NEEDS) | {
       'fedavg', 'fedu2', 'fedsc', 'independent', 'feddecorr', 'ldawa', 'fedx', 'fedca'}, (
           'a new registered algorithm: add it to this sweep (and to NEEDS if it needs keys)')
@@ -103,14 +106,28 @@ def test_every_registered_algorithm_builds_validates_and_runs_a_bf16_round(name)
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   init_key, run_key = experiment.run_keys(config)
   state = rd.init_state(algo, init_key, config.num_clients)
-  step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
   key = rng.round_key(run_key, 0)
+  m = config.clients_per_round
+  bad = int(rd.sample_participants(key, config.num_clients, m)[0])
+  faulty = () if m == 1 else ((0, bad),)  # one centralized client: nobody would be left
+  step = rd.make_round_step(algo, dataclasses.replace(experiment.round_config(config),
+                                                      inject_faults=faulty), config.num_clients)
+  before = jax.device_get(rd.cohort_stacks(algo, state.clients))
   traced = step.trace(state, fed_data, key)  # traced once: inspected, then compiled and run
   trained = collections.Counter(dtypes.contractions(traced.jaxpr.jaxpr))
   assert trained[('dot_general', ('bfloat16', 'bfloat16'))] > 0, trained  # the local training
   state, metrics = jax.device_get(traced.lower().compile()(state, fed_data, key))
   assert np.isfinite(metrics['loss'])  # FedSC's spectral contrastive loss may be negative
   assert int(state.round) == 1
+  assert float(metrics['failed_clients']) == len(faulty)
+  assert [int(i) for i in metrics['failed_ids'] if i >= 0] == [bad][:len(faulty)]
+  if faulty:
+    cohort, stack_before, stack = next(
+        (c, b, s) for c, b, s in zip(rd.cohorts(algo, config.num_clients), before,
+                                     rd.cohort_stacks(algo, state.clients)) if bad in c.members)
+    local = cohort.members.index(bad)
+    for a, b in zip(jax.tree_util.tree_leaves(stack), jax.tree_util.tree_leaves(stack_before)):
+      np.testing.assert_array_equal(np.asarray(a[local]), np.asarray(b[local]))
   assert metrics['bytes_up'] >= 0 and metrics['bytes_down'] >= 0  # independent training sends 0
   leaves = jax.tree_util.tree_leaves((state.server, state.clients))
   assert all(np.all(np.isfinite(np.asarray(a))) for a in leaves if jnp.issubdtype(a.dtype, jnp.floating))

@@ -16,7 +16,10 @@ import collections
 import dataclasses
 import functools
 import importlib.util
+import json
 import pathlib
+import subprocess
+import sys
 from typing import Dict, List, Tuple
 
 import jax
@@ -28,6 +31,7 @@ from fedjax_ssl import algorithms, configuration, experiment, reproduce
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import sources
+from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _PAPER_FILES = sorted(p for p in REPO.glob('configs/*/*.py')
@@ -236,6 +240,15 @@ def test_every_paper_cell_shrinks_validates_and_builds(index):
 ROUNDS = round_cells()
 
 
+# Cells run in a process of their own at XLA's default optimisation level. Measured: the
+# representation-sharing ResNet-9 on 2 images gets NaN gradients in every layer from layer3 down
+# (res2, the feature layer and the head stay finite) when XLA:CPU compiles at backend optimisation
+# level 0, the suite's setting (tests/subprocess_env.py), with either conv_impl; its loss is finite
+# and every gradient is finite at the default level. The isolation of failed clients
+# (core/faults.py) sees that upload; the cause inside XLA is not isolated (docs/notes/known_gaps.md).
+OPTIMIZED = ('repshare/table1:cl.fashion-mnist-n-2',)
+
+
 @pytest.fixture
 def fast_compile():
   """XLA's cheapest compile for the rounds below (a smoke test runs each program once; compiling
@@ -249,8 +262,19 @@ def fast_compile():
 @pytest.mark.parametrize('kind,name,config', ROUNDS, ids=[f'{k}:{n}' for k, n, _ in ROUNDS])
 def test_one_round(kind, name, config, fast_compile):
   del fast_compile, kind
-  metrics = run_one_round(config)
+  if name in OPTIMIZED:  # in a process of its own, at XLA's default optimisation level
+    code = ('import json, sys; from tests.experiments import test_paper_configs as t; '
+            'config = dict((n, c) for _, n, c in t.ROUNDS)[sys.argv[1]]; '
+            'print(json.dumps(t.run_one_round(config)))')
+    out = subprocess.run([sys.executable, '-c', code, name], cwd=REPO,
+                         env=subprocess_env.binary_env(optimized=True), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+  else:
+    metrics = run_one_round(config)
   assert np.isfinite(metrics['loss']), (name, metrics)
+  assert metrics['failed_clients'] == 0, (name, metrics)  # every upload finite (core/faults.py)
 
 
 def test_round_cells_cover_every_encoder_algorithm_and_method():

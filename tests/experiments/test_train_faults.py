@@ -164,10 +164,32 @@ def test_diverging_binary_exits_3_with_one_line(tmp_path):
   assert out.returncode == run_guard.EXIT_DIVERGED == 3, out.stderr[-3000:]
   assert 'Traceback' not in out.stderr
   errors = [l for l in out.stderr.splitlines() if l.startswith('error:')]
-  assert len(errors) == 1 and errors[0].startswith('error: diverged at round 1/2: loss = nan'), \
-      out.stderr[-3000:]
+  # Both participants' updates are NaN: more than max_failed_fraction (0.5) of the round failed.
+  assert len(errors) == 1 and errors[0].startswith(
+      'error: diverged at round 1/2: 2 of 2 participants sent a non-finite update (clients [0, 1]),'
+      ' more than max_failed_fraction = 0.5; '), out.stderr[-3000:]
   assert 'lower config.lr (now 1e+30)' in errors[0]
   assert json.loads((workdir / 'results.json').read_text())['status'] == 'diverged'
+
+
+@pytest.mark.slow
+def test_a_failed_client_is_logged_and_the_run_goes_on(tmp_path, capfd):
+  """Round 2's client 0 fails on purpose (config.inject_client_faults): 1 of 2 participants is not
+  more than max_failed_fraction = 0.5, so the run completes, its metrics row names the client; at
+  max_failed_fraction = 0 the same fault stops the run as diverged in one line."""
+  results = _train(tmp_path / 'ok', config=dict(inject_client_faults='2:0'))
+  assert results['status'] == 'completed'
+  rows = _rows(tmp_path / 'ok')
+  assert [r.get('failed_ids') for r in rows[1:]] == [None, [0], None]
+  assert [r['failed_clients'] for r in rows[1:]] == [0, 1, 0]
+  assert all(np.isfinite(r['loss']) for r in rows[1:])
+  results = _train(tmp_path / 'stop', config=dict(inject_client_faults='2:0',
+                                                  max_failed_fraction=0.0))
+  assert results['status'] == 'diverged' and results['diverged']['quantity'] == 'failed clients'
+  err = [l for l in capfd.readouterr().err.splitlines() if l.startswith('error:')]
+  assert err[-1].startswith(f'error: diverged at round 2/{ROUNDS}: 1 of 2 participants sent a '
+                            'non-finite update (clients [0]), more than max_failed_fraction = 0;')
+  assert os.listdir(tmp_path / 'stop' / 'checkpoints') == ['1']
 
 
 @pytest.mark.slow
