@@ -38,7 +38,7 @@ def select_tree(flag, a, b):
 def shared_subset(spec: ssl_client.ClientSpec, client) -> dict:
   """The online network every participant uploads: {'params', 'batch_stats'} restricted to the
   objective's shared modules."""
-  names = spec.objective.shared
+  names = spec.shared
   return {'params': {k: client['params'][k] for k in names if k in client['params']},
           'batch_stats': {k: client['batch_stats'][k] for k in names if k in client['batch_stats']}}
 
@@ -111,7 +111,7 @@ def persistent_part(spec: ssl_client.ClientSpec, client, byol_target_sync: str) 
   whether it was ever set ('keep'). Supervised FedAvg, FedSimCLR and FedSimSiam with the reset keep
   {}: nothing is stored per client.
   """
-  names = spec.objective.shared
+  names = spec.shared
   out = {}
   for field in ('params', 'batch_stats'):
     if _private(client[field], names):
@@ -164,7 +164,7 @@ def make(spec: ssl_client.ClientSpec, *, byol_target_sync: str = 'keep', name: s
   if byol_target_sync not in BYOL_TARGET_SYNC:
     raise ValueError(f'byol_target_sync = {byol_target_sync!r} is invalid: must be one of '
                      f'{BYOL_TARGET_SYNC}')
-  names = spec.objective.shared
+  names = spec.shared
 
   def begin(client, msg, key):
     del key

@@ -137,7 +137,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
                                ('alpha_schedule', alpha_schedule, ALPHA_SCHEDULES)):
     if value not in allowed:
       raise ValueError(f'{name} = {value!r} is invalid: must be one of {allowed}')
-  names = spec.objective.shared
+  names = spec.shared
   sqrt_mu = None if mu is None else float(np.sqrt(mu))
   h = spec.model.projector.out
 

@@ -155,7 +155,7 @@ def make(spec: ssl_client.ClientSpec, *, clients_per_round: int, eua: bool = Tru
                               ('byol_target_sync', byol_target_sync, fedavg.BYOL_TARGET_SYNC)):
     if value not in allowed:
       raise ValueError(f'fedu2.{key} = {value!r} is invalid: must be one of {allowed}')
-  names = spec.objective.shared
+  names = spec.shared
   global_target = eua_scope == 'whole_model' and spec.objective.target
   m = clients_per_round
 

@@ -71,6 +71,11 @@ class ClientSpec:
                        {**objective.defaults().to_dict(), **dict(self.hparams or {})})
 
   @property
+  def shared(self) -> Tuple[str, ...]:
+    """The modules clients share: the objective's, for this run's hyper-parameters."""
+    return self.objective.shared_modules(self.hparams)
+
+  @property
   def method(self) -> str:
     """The objective's name (`config.ssl_method`)."""
     return self.objective.name
@@ -175,6 +180,8 @@ def local_step(spec: ClientSpec, client, batch, key, msg, lr, shared=None,
     mu * CKA term on the RAD); the step is otherwise the method's own.
   """
   del msg
+  if spec.objective.prototypes:  # SwAV's release: unit-norm prototypes before every step
+    client = dict(client, params=normalize_prototypes(client['params']))
 
   def total(p):
     loss, aux = loss_fn(spec, p, client, batch, key, shared)
@@ -190,6 +197,14 @@ def local_step(spec: ClientSpec, client, batch, key, msg, lr, shared=None,
                                                  spec.hparams['ema_tau']),
                      'batch_stats': tbs}
   return new, loss
+
+
+def normalize_prototypes(params):
+  """params with the prototype layer's kernel [dz, K] scaled to unit columns (one prototype per
+  column; the release's `normalize(w, dim=1)` of its [K, dz] weight)."""
+  kernel = params['prototypes']['kernel']
+  unit = losses.l2_normalize(kernel.T).T.astype(kernel.dtype)
+  return dict(params, prototypes=dict(params['prototypes'], kernel=unit))
 
 
 def apply_gradients(spec: ClientSpec, client, grads, lr, **fields) -> Dict[str, Any]:
@@ -250,7 +265,9 @@ def model_from_config(config: ml_collections.ConfigDict, num_classes: int, encod
   objective = ssl.get(config.ssl_method)
   if objective.classifier:
     return models.Classifier(module, num_classes, dtype=models.compute_dtype(config.precision))
-  return models.SSLModel(module, *heads_from_config(config, objective.predictor))
+  prototypes = config[objective.name].num_prototypes if objective.prototypes else 0
+  return models.SSLModel(module, *heads_from_config(config, objective.predictor),
+                         prototypes=prototypes)
 
 
 def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder: str = ''

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 
 from fedjax_ssl.models import layers
+from fedjax_ssl.ops.numerics import l2_normalize
 
 
 class MLPHead(nn.Module):
@@ -74,18 +75,25 @@ class SSLModel(nn.Module):
 
   __call__(x [B,H,W,C], train, with_predictor=True) -> dict with
     h: [B, d] backbone features, z: [B, dz] projector output (= h without a projector),
-    p: [B, dp] predictor output, present only if with_predictor and a predictor exists.
+    p: [B, dp] predictor output, present only if with_predictor and a predictor exists,
+    scores: [B, prototypes] float32 = normalize(z) @ Cᵀ with C the bias-free 'prototypes' layer
+      (SwAV), present only if prototypes > 0.
   """
   encoder: nn.Module
   projector: Optional[MLPHead] = None
   predictor: Optional[MLPHead] = None
+  prototypes: int = 0
 
+  @nn.compact
   def __call__(self, x: jax.Array, train: bool, with_predictor: bool = True) -> Dict[str, jax.Array]:
     h = self.encoder(x, train)
     z = h if self.projector is None else self.projector(h, train)
     out = {'h': h, 'z': z}
     if with_predictor and self.predictor is not None:
       out['p'] = self.predictor(z, train)
+    if self.prototypes:
+      out['scores'] = nn.Dense(self.prototypes, use_bias=False, name='prototypes')(
+          l2_normalize(layers.as_float(z)))
     return out
 
 

@@ -284,3 +284,65 @@ def cross_entropy_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
     raise ValueError(f'expected logits [B, K] and labels [B]; got logits {jnp.shape(logits)}, '
                      f'labels {jnp.shape(labels)}')
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(as_float(logits), labels))
+
+
+def swav_codes(scores: jax.Array, *, epsilon: float = 0.05, iters: int = 3) -> jax.Array:
+  """SwAV's codes (Caron et al., NeurIPS 2020): the release's `distributed_sinkhorn` on one device.
+
+      Q = exp(scores / epsilon)ᵀ / Σ exp(scores / epsilon)                 [K, B]
+      repeat iters times:  Q <- Q / (K · rowsum Q);  Q <- Q / (B · colsum Q)
+      codes = B · Qᵀ                                                        [B, K], rows sum to 1
+
+  an equal-partition assignment of the batch to the K prototypes. As in the release the exponent
+  is not shifted: for cosine scores in [-1, 1] float32 holds exp(±1 / epsilon) for epsilon above
+  about 0.012 (the release's 0.05 gives exp(±20)); shifting by the maximum would widen the range
+  to exp(-2 / epsilon) and underflow from epsilon 0.023 down. Orchestra's `ops.orchestra.sinkhorn_knopp` is the same Sinkhorn-Knopp iteration from a
+  row-softmax start with a stopping tolerance; after the release's 3 iterations the two differ, so
+  SwAV keeps its own. No gradient flows through the codes (the release computes them under
+  no_grad).
+
+  Args:
+    scores: float [B, K] prototype scores of one view (normalised features @ normalised prototypes).
+    epsilon: the entropic regularisation (> 0; the release's 0.05).
+    iters: Sinkhorn iterations (>= 1; the release's 3).
+  Returns:
+    float [B, K] codes, each row a distribution over the prototypes.
+  """
+  if jnp.ndim(scores) != 2:
+    raise ValueError(f'swav_codes: scores {jnp.shape(scores)} must be [B, K]')
+  check_positive('epsilon', epsilon)
+  if not (isinstance(iters, numbers.Integral) and iters >= 1):
+    raise ValueError(f'swav_codes: iters = {iters!r} is invalid: must be an integer >= 1')
+  s = jax.lax.stop_gradient(as_float(scores)) / epsilon
+  q = jnp.exp(s).T
+  q = q / jnp.sum(q)
+  k, b = q.shape
+  for _ in range(iters):
+    q = q / jnp.sum(q, axis=1, keepdims=True) / k
+    q = q / jnp.sum(q, axis=0, keepdims=True) / b
+  return (q * b).T
+
+
+def swav(scores_a: jax.Array, scores_b: jax.Array, *, temperature: float = 0.1,
+         epsilon: float = 0.05, sinkhorn_iters: int = 3) -> jax.Array:
+  """SwAV's swapped prediction over two views (the release's `main_swav.py` without multi-crop):
+
+      q_v    = swav_codes(scores_v)                         (constants)
+      loss   = -½ [ mean_b Σ_k q_a log softmax(scores_b / T) + mean_b Σ_k q_b log softmax(scores_a / T) ]
+
+  Args:
+    scores_a, scores_b: float [B, K] prototype scores of the two views.
+    temperature: T of the predicted assignments (> 0; the release's 0.1).
+    epsilon, sinkhorn_iters: of `swav_codes`.
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('scores_a', 'scores_b'), scores_a, scores_b)
+  check_positive('temperature', temperature)
+  scores_a, scores_b = as_float(scores_a), as_float(scores_b)
+  q_a = swav_codes(scores_a, epsilon=epsilon, iters=sinkhorn_iters)
+  q_b = swav_codes(scores_b, epsilon=epsilon, iters=sinkhorn_iters)
+
+  def cross(q, s):
+    return -jnp.mean(jnp.sum(q * jax.nn.log_softmax(s / temperature, axis=1), axis=1))
+  return (cross(q_a, scores_b) + cross(q_b, scores_a)) / 2

@@ -63,6 +63,10 @@ class Objective:
     hparams: config -> dict of the loss's hyper-parameters; None = the block's values.
     state_init: (hparams, z_dim) -> pytree of zeros, the per-client state; None = stateless.
     update_state: (hparams, state, online, target) -> state after a step (with `state_init`).
+    prototypes: the model has a prototype layer (SwAV): `hparams['num_prototypes']` bias-free
+      outputs on the L2-normalised projection, online output 'scores' [B, K], parameters
+      params['prototypes'] renormalised to unit rows before every step; clients share it when
+      `hparams['shared_prototypes']` (`shared_modules`).
     doc: one line for listings and errors.
   """
   name: str
@@ -77,6 +81,7 @@ class Objective:
   hparams: Optional[Callable[[ml_collections.ConfigDict], Dict[str, Any]]] = None
   state_init: Optional[Callable[..., Any]] = None
   update_state: Optional[Callable[..., Any]] = None
+  prototypes: bool = False
   doc: str = ''
 
   @property
@@ -85,6 +90,12 @@ class Objective:
     if self.classifier:
       return ('encoder', 'head')
     return ('encoder', 'projector') + (('predictor',) if self.predictor else ())
+
+  def shared_modules(self, hparams: Dict[str, Any]) -> Tuple[str, ...]:
+    """`shared`, plus the prototype layer when the run shares it (`hparams['shared_prototypes']`)."""
+    if self.prototypes and hparams.get('shared_prototypes', True):
+      return self.shared + ('prototypes',)
+    return self.shared
 
   def capabilities(self) -> Tuple[str, ...]:
     """The CAPABILITIES this objective has."""

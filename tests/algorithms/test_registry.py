@@ -66,15 +66,21 @@ def _small_config(name: str, **overrides):
   return c
 
 
-def _one_round(config):
+def _built(config):
+  """(federated data, algorithm, initial state, key of round 0) of a validated `config`."""
   experiment.validate_config(config)
   dataset = experiment.load_data(config)
   fed_data, _ = experiment.build_fed_data(config, dataset)
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   init_key, run_key = experiment.run_keys(config)
   state = rd.init_state(algo, init_key, config.num_clients)
+  return fed_data, algo, state, rng.round_key(run_key, 0)
+
+
+def _one_round(config):
+  fed_data, algo, state, key = _built(config)
   step = rd.make_round_step(algo, experiment.round_config(config), config.num_clients)
-  new, metrics = step(state, fed_data, rng.round_key(run_key, 0))
+  new, metrics = step(state, fed_data, key)
   return algo, new, jax.device_get(metrics)
 
 

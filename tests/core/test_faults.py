@@ -14,6 +14,7 @@ from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import faults, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import CohortSlots
+from tests.algorithms import test_registry
 from tests.algorithms.test_registry import _small_config
 
 AGGREGATING = [n for n in ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare',
@@ -30,13 +31,7 @@ CASES = {**{n: (n, {}) for n in AGGREGATING}, **VARIANTS}
 
 def _built(name, **overrides):
   config = _small_config(name, clients_per_round=3, strategy='vmap', **overrides)
-  experiment.validate_config(config)
-  dataset = experiment.load_data(config)
-  fed_data, _ = experiment.build_fed_data(config, dataset)
-  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
-  init_key, run_key = experiment.run_keys(config)
-  state = rd.init_state(algo, init_key, config.num_clients)
-  return config, fed_data, algo, state, rng.round_key(run_key, 0)
+  return (config,) + test_registry._built(config)
 
 
 def _random_like(shapes, m, seed):
@@ -127,11 +122,11 @@ def _stored(state, cid):
 
 @pytest.mark.slow
 def test_a_failed_client_is_rolled_back_and_the_server_aggregates_the_others():
-  """FedU (clients keep their models): an injected failure in round 1 is counted and named, its
-  client's stored state is its state before the round, the other participants train as without
-  the fault, and the server is the aggregate of their uploads alone (each computed one client at
-  a time by the per-participant function, as a slow reference)."""
-  config, fed_data, algo, state, key = _built('fedu')
+  """FedBYOL (clients keep their local targets): an injected failure in round 1 is counted and
+  named, its client's stored state is its state before the round, the other participants train as
+  without the fault, and the server is the aggregate of their uploads alone (each computed one
+  client at a time by the per-participant function, as a slow reference)."""
+  config, fed_data, algo, state, key = _built('fedavg', ssl_method='byol')
   cfg = experiment.round_config(config)
   ids = [int(i) for i in rd.sample_participants(key, config.num_clients, 3)]
   bad = ids[1]
@@ -172,7 +167,7 @@ def test_a_failed_client_is_rolled_back_and_the_server_aggregates_the_others():
 def test_dropouts_keep_the_training_lose_the_upload_and_a_round_without_uploads_keeps_the_server():
   """client_state='host': with every participant dropped, the server is the one it started from,
   each participant's stored state is the one it trained to, and the round counts the drops."""
-  config, fed_data, algo, _, _ = _built('fedu')
+  config, fed_data, algo, _, _ = _built('fedavg', ssl_method='byol')
   init_key, run_key = experiment.run_keys(config)
   rate = 0.9
   # A round whose three participants all draw a dropout (the draw is a pure function of the key).

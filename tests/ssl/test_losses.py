@@ -371,3 +371,68 @@ def test_moco_enqueue_is_a_ring_buffer():
     assert (int(ptr), int(count)) == (slot, filled)
   with pytest.raises(ValueError, match='a step enqueues 6 keys into a queue of 5'):
     losses.moco_enqueue(queue, ptr, count, jnp.zeros((6, 3)))
+
+
+def np_swav_codes(scores, epsilon, iters):
+  """The release's `distributed_sinkhorn` on one process, in float64 (without the max shift)."""
+  q = np.exp(scores / epsilon).T
+  q /= q.sum()
+  k, b = q.shape
+  for _ in range(iters):
+    q /= q.sum(axis=1, keepdims=True)
+    q /= k
+    q /= q.sum(axis=0, keepdims=True)
+    q /= b
+  return (q * b).T
+
+
+def np_swav(s_a, s_b, temperature, epsilon, iters):
+  """The release's swapped-prediction loss over two crops, in float64 loops over the batch."""
+  def log_softmax(row):
+    m = row.max()
+    return row - m - np.log(np.sum(np.exp(row - m)))
+  total = 0.0
+  for s_q, s_p in ((s_a, s_b), (s_b, s_a)):
+    q = np_swav_codes(s_q, epsilon, iters)
+    total -= np.mean([np.sum(q[i] * log_softmax(s_p[i] / temperature)) for i in range(len(q))])
+  return total / 2
+
+
+@pytest.mark.parametrize('b, k, iters', [(8, 5, 3), (32, 16, 1), (6, 30, 10)])
+def test_swav_codes_and_loss_match_the_release_in_float64(b, k, iters):
+  rng = np.random.default_rng(b + k)
+  def scores():  # cosines, as the model gives: unit rows against unit prototypes
+    z = rng.normal(size=(b, 12)); c = rng.normal(size=(k, 12))
+    return (z / np.linalg.norm(z, axis=1, keepdims=True)) @ (c / np.linalg.norm(c, axis=1, keepdims=True)).T
+  s_a, s_b = scores(), scores()
+  with jax.enable_x64(True):
+    codes = np.asarray(losses.swav_codes(jnp.asarray(s_a), epsilon=0.05, iters=iters))
+    got = float(losses.swav(jnp.asarray(s_a), jnp.asarray(s_b), temperature=0.1, epsilon=0.05,
+                            sinkhorn_iters=iters))
+    grad = np.asarray(jax.grad(lambda s: losses.swav(s, jnp.asarray(s_b), sinkhorn_iters=iters))(
+        jnp.asarray(s_a)))
+  np.testing.assert_allclose(codes, np_swav_codes(s_a, 0.05, iters), rtol=1e-10)
+  np.testing.assert_allclose(codes.sum(axis=1), 1.0, rtol=1e-12)  # each code a distribution
+  assert got == pytest.approx(np_swav(s_a, s_b, 0.1, 0.05, iters), rel=1e-12)
+  # The codes are constants: the gradient is central differences of the loss with them fixed.
+  q_b = np_swav_codes(s_b, 0.05, iters)
+  def fixed(s):
+    z = s / 0.1
+    logp = z - z.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    return -np.mean(np.sum(q_b * logp, axis=1)) / 2
+  h = 1e-6
+  num = np.zeros_like(s_a)
+  for i in range(b):
+    for j in range(k):
+      e = np.zeros_like(s_a); e[i, j] = h
+      num[i, j] = (fixed(s_a + e) - fixed(s_a - e)) / (2 * h)
+  np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-9)
+
+
+def test_swav_codes_in_float32_hold_the_extreme_cosines_at_the_release_epsilon():
+  s = jnp.concatenate([jnp.ones((4, 3)), -jnp.ones((4, 3))])  # exp(+-1 / 0.05) = exp(+-20)
+  codes = np.asarray(losses.swav_codes(s, epsilon=0.05))
+  np.testing.assert_allclose(codes, np_swav_codes(np.asarray(s, np.float64), 0.05, 3), rtol=1e-5)
+  with pytest.raises(ValueError, match='epsilon must be > 0'):
+    losses.swav_codes(s, epsilon=0.0)

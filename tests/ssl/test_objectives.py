@@ -14,9 +14,11 @@ from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
+from fedjax_ssl.data.types import DataInfo
 from tests.algorithms import test_registry
 
-BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins', 'moco')
+BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins', 'moco',
+            'swav')
 
 
 def test_built_in_objectives_and_their_blocks():
@@ -117,7 +119,7 @@ def test_client_spec_takes_an_objective_name_with_its_block_defaults():
   assert spec.hparams == {'temperature': 0.2, 'zero_diagonal': False}
 
 
-SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco')
+SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco', 'swav')
          for name in algorithms.names() if name != 'fedprox_simclr'
          if objective in algorithms.registry.accepted_objectives(algorithms.get(name))]
 
@@ -233,3 +235,52 @@ def test_moco_queue_is_per_client_state_that_survives_rounds_it_sits_out(client_
   for c, n in enumerate(counts):  # filled rows are unit keys, the rest still zero
     np.testing.assert_allclose(np.linalg.norm(queue[c, :n], axis=1), 1.0, rtol=1e-5)
     assert not queue[c, n:].any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('shared', [True, False])
+def test_swav_prototypes_are_shared_or_kept_per_client(shared):
+  """`swav.shared_prototypes`: FedAvg averages the prototype layer with the online network, or
+  every client keeps its own (stored with the client; the round's participants trained theirs)."""
+  config = test_registry._small_config('fedavg', ssl_method='swav')
+  config.swav.num_prototypes = 6
+  config.swav.shared_prototypes = shared
+  algo, state, metrics = test_registry._one_round(config)
+  assert np.isfinite(metrics['loss'])
+  start = rd.init_state(algo, experiment.run_keys(config)[0], config.num_clients)
+  stored = state.clients.get('params', {})
+  if shared:
+    assert 'prototypes' in state.server['params'] and 'prototypes' not in stored
+    assert not np.array_equal(np.asarray(state.server['params']['prototypes']['kernel']),
+                              np.asarray(start.server['params']['prototypes']['kernel']))
+  else:
+    assert 'prototypes' not in state.server['params']
+    kernels = np.asarray(stored['prototypes']['kernel'])            # [C, dz, K]
+    before = np.asarray(start.clients['params']['prototypes']['kernel'])
+    moved = [not np.array_equal(kernels[c], before[c]) for c in range(config.num_clients)]
+    assert sum(moved) == config.clients_per_round                   # the participants only
+    a, b = [kernels[c] for c in range(config.num_clients) if moved[c]]
+    assert not np.array_equal(a, b)                                 # each its own
+
+
+def test_swav_renormalizes_the_prototypes_before_every_step():
+  """The release normalises the prototypes to unit rows before every forward: one SGD step from a
+  kernel at 3x unit norm equals normalize(kernel) - lr * (the gradient at the normalised one)."""
+  config = test_registry._small_config('fedavg', ssl_method='swav', momentum=0.0,
+                                       weight_decay=0.0)
+  dataset = experiment.load_data(config)
+  spec = ssl_client.spec_from_config(config, DataInfo.of(dataset))
+  key = jax.random.PRNGKey(0)
+  client = ssl_client.init_client(spec, key)
+  params = client['params']
+  client['params'] = dict(params, prototypes={'kernel': 3.0 * params['prototypes']['kernel']})
+  batch = {'x': jnp.asarray(dataset.train_x[:16]), 'y': jnp.asarray(dataset.train_y[:16])}
+  new, _ = ssl_client.local_step(spec, client, batch, key, None, jnp.float32(0.5))
+  unit = ssl_client.normalize_prototypes(client['params'])
+  np.testing.assert_allclose(np.linalg.norm(np.asarray(unit['prototypes']['kernel']), axis=0), 1.0,
+                             rtol=1e-6)
+  grads = jax.grad(lambda p: ssl_client.loss_fn(spec, p, dict(client, params=unit), batch,
+                                                key)[0])(unit)
+  want = unit['prototypes']['kernel'] - 0.5 * grads['prototypes']['kernel']
+  np.testing.assert_allclose(np.asarray(new['params']['prototypes']['kernel']), np.asarray(want),
+                             rtol=1e-5, atol=1e-7)
