@@ -1,4 +1,5 @@
-"""The generic round step: sample participants, broadcast, train locally, upload, aggregate, scatter.
+"""The generic round step: sample participants, broadcast, train locally, upload, screen (a failed
+or dropped upload leaves the aggregate: core/faults.py), aggregate, scatter.
 
 `make_round_step` returns ONE jitted pure function `round_step(state, fed_data, key)` with the state
 donated. `experiments/baselines.py` runs the same round as Python loops over clients, for the
