@@ -84,9 +84,9 @@ def eua_coefficients(gram_dev: jax.Array, weights: jax.Array, *, direction: str,
                                                  c=admm_c, rho=admm_rho, mask=mask)
   here = present(weights)
   # With everyone present, the unmasked solve: the same arithmetic as before absences existed.
-  # Both are computed (an [m, m] problem, cheap beside the round) and one selected: under a
-  # `lax.cond` XLA compiles the ADMM loop differently, and its weights, which the objective pins
-  # down only loosely, move by 1e-3 (measured: docs/notes/reliability.md).
+  # Both are computed (an [m, m] problem: milliseconds beside a round of seconds) and one
+  # selected: under a `lax.cond` XLA compiles the ADMM loop differently, and its weights, which the
+  # objective pins down only loosely, move by 1e-3 (measured: docs/notes/engine.md#eng-62).
   p = jnp.where(jnp.all(here), solve(None), solve(here))
   d_norm = jnp.sqrt(jnp.maximum(p @ gram @ p, 0.0))
   lr = server_lr
