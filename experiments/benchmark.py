@@ -164,6 +164,7 @@ def _config(model: str, num_clients: int, strategy: str, chunk: int, augmentatio
   c.strategy = strategy
   c.map_chunk_size = chunk
   c.augmentation = augmentation
+  c.conv_impl = FLAGS.conv_impl
   if FLAGS.setting == 'cross_device':
     c.algorithm, c.ssl_method = 'fedavg', 'supervised'
     c.optimizer, c.momentum, c.weight_decay = 'sgd', 0.0, 0.0
@@ -478,7 +479,8 @@ def run() -> List[Dict]:
           'cpu_affinity': sorted(os.sched_getaffinity(0)),
           'default_strategy': strategies.default_strategy(), 'local_steps': FLAGS.local_steps,
           'batch_size': FLAGS.batch_size, 'augmentations': list(FLAGS.augmentations),
-          'jax': jax.__version__, 'malloc': os.environ.get('FEDJAX_SSL_MALLOC')}
+          'jax': jax.__version__, 'malloc': os.environ.get('FEDJAX_SSL_MALLOC'),
+          'conv_impl': FLAGS.conv_impl, 'xla_flags': os.environ.get('XLA_FLAGS', '')}
   if torch_available():
     import torch  # pylint: disable=g-import-not-at-top
     info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
@@ -766,6 +768,11 @@ def define_flags() -> None:
       'with jax.profiler under this folder and add the device-time summary '
       '(experiments/profile_summary.py) to the row. Empty: no profile.')
   flags.DEFINE_list('profile_variants', [], 'Variants to profile (default: every JAX variant).')
+  flags.DEFINE_enum(
+      'conv_impl', 'auto', ['auto', 'xla', 'im2col'],
+      "config.conv_impl of the JAX variants: 'im2col' (slices + one matmul) turns a stacked round's "
+      'per-client convolutions into batched matmuls instead of grouped convolutions '
+      '(docs/notes/performance.md#perf-50).')
   flags.DEFINE_string(
       'cache_dir', '', 'JAX\'s persistent compilation cache for the timed programs '
       '(fedjax_ssl/core/compilation.py): a second benchmark process with the same folder loads '

@@ -8,11 +8,14 @@
 # then, on the GPU (the device tool: carry [".whl"]; $OUT is the folder that comes back):
 #
 #   bash scripts/gpu_check.sh core    # ResNet-18 FedBYOL round, 10 clients x 5 steps x batch 64,
-#                                     # `flip` views: map / vmap / map5 in float32 and bfloat16,
+#                                     # `flip` views: map / vmap in float32 and bfloat16,
 #                                     # the eager PyTorch loop (TF32, bf16) and one PyTorch model
 #                                     # on the union batch (bf16 channels_last, float32), ratios,
 #                                     # TFLOP/s, a jax.profiler summary of map and vmap in bf16,
 #                                     # and the same programs again from the compilation cache
+#   bash scripts/gpu_check.sh conv    # the same round's convolutions (PERF-50: grouped under vmap):
+#                                     # conv_impl='im2col' (batched matmuls) and XLA's NCHW layout
+#                                     # against the default, map and vmap in bfloat16
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
@@ -28,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-core}
-case "$PART" in core|extra|auto) ;; *) echo "error: part = '$PART' is invalid: must be core, extra or auto" >&2; exit 1;; esac
+case "$PART" in core|conv|extra|auto) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, extra or auto" >&2; exit 1;; esac
 OUT=${OUT:-docs/results/gpu/check_$PART}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_$PART.log") 2>&1
@@ -82,18 +85,33 @@ EOF
 
 case "$PART" in
 core)
+  # Four cold compiles of 20-34 s and the PyTorch warm-ups (H100, PERF-50: with map5 as well, six
+  # compiles did not leave the 300 s any time to time the rounds; `auto` times map5).
   stage bench 300 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
-    --variants=map,vmap,map5 --precisions=float32,bfloat16 --peak_tflops="$PEAKS" \
+    --variants=map,vmap --precisions=float32,bfloat16 --peak_tflops="$PEAKS" \
     --torch_variants=torch,torch_bf16,torch_union,torch_union_fp32 \
     --profile_dir=/tmp/profile --profile_variants=map/bfloat16,vmap/bfloat16 \
     --cache_dir="$CACHE" --out="$OUT/bench_c10.json"
   # The same programs in a new process with the cache the first one filled: what a second run or
   # seed pays to compile its round (the 'compile' entries).
-  stage bench_warm 60 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+  stage bench_warm 80 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=1 \
     --variants=map,vmap --precisions=float32,bfloat16 --notorch \
     --cache_dir="$CACHE" --out="$OUT/bench_c10_warm.json"
+  ;;
+conv)
+  # One alternative to PERF-50's convolutions per stage, each beside the union-batch PyTorch model in
+  # its process (ratios in one run); core's bench_c10.json has the default convolutions.
+  stage im2col 150 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=map,vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=im2col \
+    --profile_dir=/tmp/profile --torch_variants=torch_union --cache_dir="$CACHE" \
+    --out="$OUT/conv_im2col.json"
+  stage nchw 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_force_conv_nchw=true" "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=vmap --precisions=float32,bfloat16 --peak_tflops="$PEAKS" --profile_dir=/tmp/profile \
+    --torch_variants=torch_union --out="$OUT/conv_nchw.json"
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \

@@ -26,6 +26,7 @@ from typing import Any, Callable, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from fedjax_ssl.core import rng
 
@@ -87,6 +88,29 @@ def lane_widths(num_lanes: int, shrink: float) -> Tuple[int, ...]:
   return tuple(int(w) for w in widths)
 
 
+class _TracedOnce:
+  """Calls a function through the jaxpr of its first trace at the same argument types.
+
+  `custom_vmap` traces `train_client`'s unbatched loop before its batching rule traces the batched
+  one, so under `vmap` the algorithm's step was traced in Python twice (Flax modules, autodiff) and
+  the first trace thrown away: about half of a ResNet-18 round's trace time, which a compilation
+  cache hit still pays (docs/notes/performance.md#perf-51). The rule's batched step instead
+  batches the jaxpr of the unbatched trace (the same primitives, so the same program).
+  """
+
+  def __init__(self):
+    self._jaxprs = {}
+
+  def __call__(self, fn: Callable, *args):
+    flat, tree = jax.tree_util.tree_flatten(args)
+    key = (fn, tree, tuple(jax.typeof(a) for a in flat))
+    if key not in self._jaxprs:
+      closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+      self._jaxprs[key] = (closed, jax.tree_util.tree_structure(shape))
+    closed, out_tree = self._jaxprs[key]
+    return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*flat))
+
+
 def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, offset: jax.Array,
                  n: jax.Array, ckey: jax.Array, msg: Any, lr: jax.Array, *, n_max: int,
                  batch_size: int, local_epochs: int, drop_last: bool = True,
@@ -116,6 +140,8 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
   def num_steps_of(n):
     return local_epochs * steps_per_epoch(n, batch_size, drop_last)
 
+  traced_once = _TracedOnce()
+
   def step(carry, x, y, offset, n, ckey, perms, msg, lr):
     """One real step of one client: carry (s, client, loss_sum) -> the same."""
     s, client, loss_sum = carry
@@ -123,7 +149,7 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
     batch = {'x': x[idx], 'y': y[idx]}
     if not drop_last:
       batch['mask'] = batch_positions(s, n, batch_size, drop_last) < n
-    client, loss = local_step(client, batch, rng.step_key(ckey, s), msg, lr)
+    client, loss = traced_once(local_step, client, batch, rng.step_key(ckey, s), msg, lr)
     # The loss is a metric, kept in float32 whatever the state's dtype (float64 under x64).
     return s + 1, client, loss_sum + loss.astype(jnp.float32)
 

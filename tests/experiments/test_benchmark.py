@@ -89,6 +89,27 @@ def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
   np.testing.assert_allclose(bf16['loss'], f32['loss'], rtol=2 ** -8)
 
 
+@pytest.mark.slow
+def test_benchmark_conv_impl_reaches_the_round_and_the_record(tmp_path):
+  # The GPU check's `conv` part times the round with im2col convolutions (PERF-50): the flag must
+  # reach the model (a different program) yet train the same function, so the round's loss (the
+  # first local step's, before its update, from the same initial model) agrees to float32 rounding
+  # of sums over a few hundred products (rtol 1e-5).
+  env = subprocess_env.binary_env(optimized=True)
+  losses = {}
+  for impl in ('xla', 'im2col'):
+    out = tmp_path / f'{impl}.json'
+    subprocess.run(
+        [sys.executable, '-m', 'experiments.benchmark', f'--out={out}', '--models=small_cnn',
+         '--clients=2', '--local_steps=1', '--batch_size=8', '--repeats=1', '--augmentations=flip',
+         '--variants=vmap', '--notorch', f'--conv_impl={impl}'],
+        cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
+    record = json.loads(out.read_text())
+    assert record['info']['conv_impl'] == impl
+    losses[impl] = record['rows'][0]['results']['vmap']['loss']
+  np.testing.assert_allclose(losses['im2col'], losses['xla'], rtol=1e-5)
+
+
 @pytest.mark.parametrize('args, message', [
     (['--precisions=float16'], "--precisions = 'float16' is invalid: 'float16' is not one of "
                                "['float32', 'bfloat16']"),

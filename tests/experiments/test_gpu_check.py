@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh, the prepared GPU check, run on the CPU with SMOKE=1 (a tiny model and
 round): its 'auto' part trains twice through the binary's caches and leaves the files a GPU lease
-brings back; a wrong part name is one error line. (The 'core' and 'extra' parts run the benchmark
+brings back; a wrong part name is one error line. (The 'core', 'conv' and 'extra' parts run the benchmark
 and experiments.fedu2.timing, whose flags their own tests check.)"""
 import json
 import os
@@ -39,4 +39,4 @@ def test_unknown_part_is_one_error_line(tmp_path):
   out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
-  assert out.stderr.strip() == ("error: part = 'all' is invalid: must be core, extra or auto")
+  assert out.stderr.strip() == ("error: part = 'all' is invalid: must be core, conv, extra or auto")
