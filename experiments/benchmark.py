@@ -113,7 +113,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import conv_layers  # noqa: E402
-from experiments import plan  # noqa: E402
 from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import experiment  # noqa: E402
 from fedjax_ssl import models  # noqa: E402
@@ -259,7 +258,7 @@ def torch_available() -> bool:
 
 def flops_per_client_step(model: str, augmentation: str) -> float:
   """XLA:CPU's flop count of one jitted local step (batch B, augmentation included) of the
-  benchmark, on any backend (`plan.xla_flops`: XLA:GPU does not count cuDNN's convolutions)."""
+  benchmark, on any backend (`core.compilation.xla_flops`: XLA:GPU does not count cuDNN's convolutions)."""
   config = _config(model, 1, 'vmap', 1, augmentation)
   fed, ds = _data(_SETTINGS[model]['shape'], 1, FLAGS.batch_size)
   algo = experiment.build_algorithm(config, ds)
@@ -267,7 +266,7 @@ def flops_per_client_step(model: str, augmentation: str) -> float:
   msg = algo.broadcast(state.server)
   client = restore_client(algo, jax.tree_util.tree_map(lambda a: a[0], state.clients), msg)
   batch = {'x': fed.x[:FLAGS.batch_size], 'y': fed.y[:FLAGS.batch_size]}
-  return plan.xla_flops(algo.local_step, client, batch, jax.random.PRNGKey(0), msg,
+  return compilation.xla_flops(algo.local_step, client, batch, jax.random.PRNGKey(0), msg,
                         jnp.float32(0.05))
 
 

@@ -24,7 +24,7 @@ the binary prints:
     states included.
   * FLOPs: XLA's count of one local step (`cost_analysis()` of the jitted `local_step` on one
     batch: forward and backward of both views, augmentation and optimiser update; always an
-    XLA:CPU compile, `xla_flops`: XLA:GPU does not count the convolutions it gives cuDNN), the
+    XLA:CPU compile, `core.compilation.xla_flops`: XLA:GPU does not count the convolutions it gives cuDNN), the
     expected real local steps of a round (E * max(n_k // B, 1) summed over the clients, times
     m / C), and their product, `flops_per_round`. XLA's count of the whole compiled round is
     printed too (`xla_round_flops`), but XLA counts every loop body once (a `while_loop` over 200
@@ -81,7 +81,7 @@ from ml_collections import config_flags
 
 from fedjax_ssl import algorithms, configuration, experiment, reproduce, run_identity
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl.core import local, rng, strategies
+from fedjax_ssl.core import compilation, local, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm, restore_client
 from fedjax_ssl.core.state import FedState
@@ -253,31 +253,6 @@ def memory(compiled, input_bytes: int) -> Dict[str, int]:
   return out
 
 
-def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return float(cost.get('flops', 0.0))
-
-
-def xla_flops(fn, *args) -> float:
-  """XLA's FLOP count of `jax.jit(fn)(*args)`, compiled for the CPU whatever this machine's backend.
-
-  Why the CPU: XLA:GPU hands convolutions to cuDNN as custom calls, which its cost analysis counts
-  as nothing: on an H100 it counted 12.9 GFLOP for a ResNet-18 BYOL step that XLA:CPU counts at
-  1.00 TFLOP (docs/notes/performance.md#perf-44). The inputs are made abstract, so the compile runs
-  on the default device, set here to the CPU."""
-  abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
-  try:
-    cpu = jax.local_devices(backend='cpu')[0]
-  except RuntimeError:  # JAX_PLATFORMS without 'cpu': count on the default backend
-    logging.warning('no CPU backend (JAX_PLATFORMS=%s): FLOPs counted by %s, which may leave out '
-                    'convolutions; add cpu to JAX_PLATFORMS for the full count',
-                    jax.config.jax_platforms, jax.default_backend())
-    return _flops(jax.jit(fn).lower(*abstract).compile())
-  with jax.default_device(cpu):
-    return _flops(jax.jit(fn).lower(*abstract).compile())
-
-
 def step_flops(s: Setup, cohort: rd.Cohort, stack) -> float:
   """XLA's FLOPs of one local step of a participant of `cohort` on one batch (forward and backward,
   augmentation, optimiser update), on the state `begin` gives it."""
@@ -297,7 +272,7 @@ def step_flops(s: Setup, cohort: rd.Cohort, stack) -> float:
   if not s.config.drop_last:
     batch['mask'] = jax.ShapeDtypeStruct((b,), jnp.bool_)
   lr = jax.ShapeDtypeStruct((), jnp.float32)
-  return xla_flops(ca.local_step, client, batch, _key(), msg, lr)
+  return compilation.xla_flops(ca.local_step, client, batch, _key(), msg, lr)
 
 
 def real_steps(sizes: np.ndarray, config: ml_collections.ConfigDict) -> float:
@@ -364,7 +339,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
       'flops_per_step': per_step[0] if len(per_step) == 1 else per_step,
       'steps_per_round': float(sum(steps)),
       'flops_per_round': float(sum(f * n for f, n in zip(per_step, steps))),
-      'xla_round_flops': _flops(compiled),
+      'xla_round_flops': compilation.compiled_flops(compiled),
       'device_memory_bytes': int(device_memory_gb * GIB), 'memory_fraction': memory_fraction,
       'usable_bytes': int(usable), 'fits': mem['total_bytes'] <= usable,
   }

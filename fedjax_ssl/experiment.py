@@ -36,6 +36,7 @@ from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
+from fedjax_ssl.ssl import registry as ssl_registry
 from fedjax_ssl.evaluation import (encoder_features, evaluate, evaluation_key,  # noqa: F401
                                        raw_pixel_key, raw_pixel_metrics)
 
@@ -77,7 +78,11 @@ def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset) -> Tuple
 def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,
                     client_sizes: Optional[np.ndarray] = None) -> Algorithm:
   """The configured Algorithm, built by its registry entry. client_sizes (int [C], `fed_data.n`) is
-  needed by FedSC with DP (its noise level and privacy ledger depend on |D_j|)."""
+  needed by FedSC with DP (its noise level and privacy ledger depend on |D_j|); given, the
+  objective's `check_clients` runs on it first (MoCo's queue against the smallest client)."""
+  objective = ssl_registry.get(config.ssl_method)
+  if client_sizes is not None and objective.check_clients is not None:
+    objective.check_clients(config[objective.name], np.asarray(client_sizes), config.batch_size)
   return algorithms.registry.build(config, DataInfo.of(dataset, client_sizes))
 
 

@@ -5,6 +5,13 @@ its flags and process set-up. Research code calls it (or its pieces) the same wa
   from fedjax_ssl import training
   results = training.train_and_evaluate(config, '/tmp/run', cache_dir=compilation.enable_cache())
 
+Inside the workdir's lock and stop-signal handling, `train_and_evaluate` is five stages, each a
+function a researcher can call or replace: `setup` (config against the workdir's, data, algorithm,
+strategy, compiled round: a `Run`), `resume` (the newest intact checkpoint, or round 0),
+`references` (random-init encoder and raw pixels), `train_rounds` (the loop: metrics, evaluations,
+checkpoints, signals, divergence; an `Outcome`) and `report` (results.json, metrics.png, the
+closing lines).
+
 What it writes into WORKDIR, what a run survives and how a resume stays exact are in the binary's
 docstring (experiments/train.py) and docs/DESIGN.md §12-13. Reference rows shared across runs
 (`raw_pixel_reference`, the random-init evaluation) go through CACHE_DIR/references, and
@@ -12,11 +19,13 @@ docstring (experiments/train.py) and docs/DESIGN.md §12-13. Reference rows shar
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
 import signal
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -148,12 +157,70 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               + ' with the metric rows before it') from None
 
 
+@dataclasses.dataclass
+class Run:
+  """A run once set up (`setup`): what its later stages share.
+
+  Attributes:
+    config: the run's config; workdir: its run directory; primary: process 0 (the one that writes).
+    dataset, fed_data: the data (fed_data replicated over the processes); algo: the Algorithm;
+    plan: the algorithm's run plan or None; round_cfg: the RoundConfig; init_key, run_key: the keys
+    of the initial state and of the rounds; choice: the resolved strategy (autotune.Choice);
+    round_step: the compiled round; per_participant: message sizes per cohort (rd.message_bytes);
+    changes: the config's changes against the workdir's config.json ({} when none or new);
+    verbose: the console lines for a person are printed.
+  """
+  config: Any
+  workdir: pathlib.Path
+  primary: bool
+  verbose: bool
+  dataset: Any
+  fed_data: Any
+  algo: Any
+  plan: Any
+  round_cfg: Any
+  init_key: Any
+  run_key: Any
+  choice: Any
+  round_step: Any
+  per_participant: Any
+  changes: dict
+
+  def say(self, message: str) -> None:
+    """A line for a person: train.log always, the console when verbose."""
+    logging_utils.say(message, echo=self.verbose)
+
+  def initial_state(self):
+    """The run's round-0 state; with several processes, global arrays (every process built the same
+    data and state)."""
+    state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
+                          client_state=self.config.client_state)
+    return state.replace(server=strategies.replicate(state.server),
+                         round=strategies.replicate(state.round),
+                         clients=(state.clients if self.config.client_state == 'host' else
+                                  strategies.replicate(state.clients)))
+
+
 def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
-  def say(message):  # a line for a person: train.log always, the console when verbose
-    logging_utils.say(message, echo=verbose)
+  run = setup(config, workdir, ckpt, verbose=verbose, primary=primary,
+              allow_config_change=allow_config_change, cache_dir=cache_dir)
+  start, state = resume(run, ckpt, restart=restart)
+  random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
+  outcome = train_rounds(run, ckpt, stop, state, start, random_init, raw_pixels,
+                         bar_position=bar_position)
+  if outcome.diverged is not None or not primary:
+    return outcome.diverged or {'status': 'completed'}
+  return report(run, outcome, random_init, raw_pixels)
+
+
+def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbose: bool = True,
+          primary: bool = True, allow_config_change: bool = False, cache_dir=None) -> Run:
+  """Checks the config against the workdir's, loads and partitions the data, builds the algorithm,
+  resolves the strategy (measured once per program under `cache_dir` when 'auto'; a resume keeps
+  its own) and compiles the round; logs the run's header lines. Nothing is trained."""
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
                     echo=False)
   # Resuming continues the workdir's run: refuse another config before loading anything.
@@ -171,104 +238,139 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   if not known_before_loading:  # validate_config could not check the sizes: check them now
     configuration.check_data_config(config, DatasetInfo.of(dataset))
   fed_data, info = experiment.build_fed_data(config, dataset)
-  say(_data_summary(config, dataset) + '\n' +
-      partition.format_histogram(info['histogram']))
+  logging_utils.say(_data_summary(config, dataset) + '\n' +
+                    partition.format_histogram(info['histogram']), echo=verbose)
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
   if plan is not None:
-    say(plan.text)
-  round_cfg = experiment.round_config(config)
+    logging_utils.say(plan.text, echo=verbose)
   init_key, run_key = experiment.run_keys(config)
-
-  def initial_state():
-    state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
-    # Several processes: every process built the same data and state; make them global arrays.
-    return state.replace(server=strategies.replicate(state.server),
-                         round=strategies.replicate(state.round),
-                         clients=(state.clients if config.client_state == 'host' else
-                                  strategies.replicate(state.clients)))
-  fed_data = strategies.replicate(fed_data)
+  run = Run(config=config, workdir=workdir, primary=primary, verbose=verbose, dataset=dataset,
+            fed_data=strategies.replicate(fed_data), algo=algo, plan=plan,
+            round_cfg=experiment.round_config(config), init_key=init_key, run_key=run_key,
+            choice=None, round_step=None, per_participant=None, changes=changes)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
   # the one it started with, since strategies agree only to float rounding.
-  choice, round_step = experiment.choose_strategy(
-      config, algo, fed_data, initial_state, run_key, cache_dir=cache_dir,
+  run.choice, run.round_step = experiment.choose_strategy(
+      config, algo, run.fed_data, run.initial_state, run_key, cache_dir=cache_dir,
       stored=_stored_strategy(workdir, ckpt, config.map_chunk_size))
   devices = jax.device_count()
   encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
               else config.encoder)
-  say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
-      f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
-      f'device{"s" if devices > 1 else ""}), {choice.text()}')
-  state = initial_state()
-  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
-  say('communication per participant and round: ' + ', '.join(
+  run.say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
+          f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
+          f'device{"s" if devices > 1 else ""}), {run.choice.text()}')
+  run.per_participant = rd.message_bytes(algo, run.round_cfg, config.num_clients,
+                                         run.initial_state(), run.fed_data)
+  run.say('communication per participant and round: ' + ', '.join(
       f'{c.name}: up {b.up:,} B, down {b.down:,} B'
-      for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
+      for c, b in zip(rd.cohorts(algo, config.num_clients), run.per_participant)))
+  return run
 
-  # Restored before the random-init evaluation, so that a workdir without an intact checkpoint
-  # is refused before that compute. Unreadable checkpoints moved aside by an earlier attempt
-  # count: starting over needs --restart until the run has saved an intact one again.
-  start = 0
-  if ckpt.all_rounds() or ckpt.moved_aside():
-    restored = run_guard.restore_newest_intact(ckpt, state, echo=primary, primary=primary)
-    if restored is not None:
-      start, state, _ = restored
-      say(f'resumed from the checkpoint of round {start} in {workdir / "checkpoints"}')
-    elif not restart:
-      raise run_guard.RunStateError(
-          f'no intact checkpoint in {workdir / "checkpoints"} (the unreadable ones are kept under '
-          f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
-          'to start over from round 0')
-    else:
-      run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
-                       echo=primary)
 
-  # The reference evaluations are cached in the workdir for the config that wrote config.json.
-  random_init_path = workdir / 'random_init.json'
-  # Every process evaluates (on its own copy: no collective), so that all of them reach the next
-  # round's collectives together; process 0 alone writes.
-  if random_init_path.exists() and not changes:
+def resume(run: Run, ckpt: checkpoint.Checkpointer, *, restart: bool = False) -> tuple:
+  """(first round to train, state): 0 and the initial state, or the newest intact checkpoint's
+  round and state. Runs before the reference evaluations, so that a workdir without an intact
+  checkpoint is refused before that compute. Unreadable checkpoints moved aside by an earlier
+  attempt count: starting over needs `restart` until the run has saved an intact one again."""
+  state = run.initial_state()
+  if not (ckpt.all_rounds() or ckpt.moved_aside()):
+    return 0, state
+  restored = run_guard.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
+  if restored is not None:
+    start, state, _ = restored
+    run.say(f'resumed from the checkpoint of round {start} in {run.workdir / "checkpoints"}')
+    return start, state
+  if not restart:
+    raise run_guard.RunStateError(
+        f'no intact checkpoint in {run.workdir / "checkpoints"} (the unreadable ones are kept under '
+        f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
+        'to start over from round 0')
+  run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
+                   echo=run.primary)
+  return 0, state
+
+
+def references(run: Run, state, start: int, *, reference_cache: str | None = None) -> tuple:
+  """(random_init, raw_pixels): the random-init encoder's evaluation (WORKDIR/random_init.json for
+  the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
+  the raw-pixel reference row (None unless config.probe = 'logistic', and skipped on the synthetic
+  set). Every process evaluates (on its own copy: no collective), so that all of them reach the
+  next round's collectives together; process 0 alone writes."""
+  config = run.config
+  random_init_path = run.workdir / 'random_init.json'
+  if random_init_path.exists() and not run.changes:
     random_init = json.loads(random_init_path.read_text())
     took = f'(from {random_init_path.name})'
   else:
-    initial = _local(state if start == 0 else initial_state())
+    initial = _local(state if start == 0 else run.initial_state())
     random_init, took = _shared_reference(
-        reference_cache, 'random_init', primary,
-        lambda: experiment.evaluation_key(config, algo, initial, dataset),
-        lambda: experiment.evaluate(config, algo, initial, dataset))
-    if primary:
+        reference_cache, 'random_init', run.primary,
+        lambda: experiment.evaluation_key(config, run.algo, initial, run.dataset),
+        lambda: experiment.evaluate(config, run.algo, initial, run.dataset))
+    if run.primary:
       files.write_json(random_init_path, random_init)
   width = len(str(config.rounds))
-  say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
-      f'{_metrics_text(_scalars(random_init))}  {took}')
+  run.say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
+          f'{_metrics_text(_scalars(random_init))}  {took}')
   raw_pixels = None
   if config.probe == 'logistic' and config.dataset == 'synthetic':
-    say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their mean '
-        'image by construction (sources.make_synthetic)')
+    run.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their '
+            'mean image by construction (sources.make_synthetic)')
   elif config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
-    raw_pixels, took = raw_pixel_reference(config, dataset, workdir, reuse=not changes,
-                                           shared_dir=reference_cache, primary=primary)
-    say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
+    raw_pixels, took = raw_pixel_reference(config, run.dataset, run.workdir,
+                                           reuse=not run.changes, shared_dir=reference_cache,
+                                           primary=run.primary)
+    run.say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
+  return random_init, raw_pixels
 
-  writer = logging_utils.MetricsWriter(str(workdir)) if primary else None
-  if primary and start == 0:
+
+@dataclasses.dataclass
+class Outcome:
+  """What `train_rounds` ends with: the last state, the final evaluation (None when the run resumed
+  from its final checkpoint), the first round's compile times (None when no round ran), the metrics
+  writer (process 0; None elsewhere), and, when a round diverged, that results dict."""
+  state: Any
+  final: dict | None = None
+  compile_times: Any = None
+  writer: logging_utils.MetricsWriter | None = None
+  diverged: dict | None = None
+
+
+def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.MetricsWriter | None:
+  """Process 0's metrics writer, its log cut to the restored round (round 0 = the random-init
+  encoder on a fresh start), and the run's config.json and strategy.json written."""
+  if not run.primary:
+    return None
+  writer = logging_utils.MetricsWriter(str(run.workdir))
+  if start == 0:
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
-    files.write_json(workdir / 'config.json', config.to_dict())
-    files.write_json(workdir / STRATEGY_FILE, choice.to_json())
-    run_guard.clear_config_changes(workdir)
-  elif primary:
+    files.write_json(run.workdir / 'config.json', run.config.to_dict())
+    files.write_json(run.workdir / STRATEGY_FILE, run.choice.to_json())
+    run_guard.clear_config_changes(run.workdir)
+  else:
     writer.truncate_after(start)  # rows past the restored round are dropped before any append
-    if changes:  # --allow_config_change: the run goes on under the new values from here
-      run_guard.record_config_changes(workdir, start, changes)
-      files.write_json(workdir / 'config.json', config.to_dict())
-      say(f'config changed at round {start}: {run_guard.format_changes(changes)}')
+    if run.changes:  # --allow_config_change: the run goes on under the new values from here
+      run_guard.record_config_changes(run.workdir, start, run.changes)
+      files.write_json(run.workdir / 'config.json', run.config.to_dict())
+      run.say(f'config changed at round {start}: {run_guard.format_changes(run.changes)}')
+  return writer
+
+
+def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSignals, state,
+                 start: int, random_init: dict, raw_pixels, *, bar_position: int = 0) -> Outcome:
+  """Rounds start+1 .. config.rounds: each round's metrics row (evaluations every eval_every and at
+  the last round), a checkpoint per checkpoint_every (always the last), a stop signal honoured
+  after the round's checkpoint (run_guard.Preempted), a divergence reported and recorded."""
+  config, algo, primary = run.config, run.algo, run.primary
+  writer = _open_metrics(run, start, random_init)
   history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
   param_names, params_finite = run_guard.make_finite_check(state.server)
   watch = run_guard.DivergenceWatch(config.rounds, param_names, history)
-
-  final = None
+  width = len(str(config.rounds))
+  out = Outcome(state=state, writer=writer)
   bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
                                position=bar_position, leave=bar_position == 0,
                                disable=None if primary else True)
@@ -277,16 +379,17 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     bar.close()
     _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', primary)
   t_start = time.time()
-  compile_times = None
   for r in range(start, config.rounds):
-    if compile_times is None:  # the process's first round: its compile, apart from everything else
-      with compilation.compile_timer() as compile_times:
-        state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+    key = rng.round_key(run.run_key, r)
+    if out.compile_times is None:  # the process's first round: its compile, apart from the rest
+      with compilation.compile_timer() as out.compile_times:
+        state, metrics = run.round_step(state, run.fed_data, key)
         jax.block_until_ready(state)
-      logging_utils.say(f'round {r + 1} step: {compile_times.text()} of '
-                        f'{compile_times.wall:.1f}s', echo=False)
+      logging_utils.say(f'round {r + 1} step: {out.compile_times.text()} of '
+                        f'{out.compile_times.wall:.1f}s', echo=False)
     else:
-      state, metrics = round_step(state, fed_data, rng.round_key(run_key, r))
+      state, metrics = run.round_step(state, run.fed_data, key)
+    out.state = state
     failed = [int(i) for i in np.asarray(metrics.pop('failed_ids')) if i >= 0]
     record = {k: float(v) for k, v in metrics.items()}
     diverged = (run_guard.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
@@ -302,13 +405,15 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
       if primary:
         _write_non_finite(writer, r + 1, record)
       bar.close()
-      return _diverged(config, algo, diverged, random_init, raw_pixels, workdir, writer, primary)
+      out.diverged = _diverged(config, algo, diverged, random_init, raw_pixels, run.workdir,
+                               writer, primary)
+      return out
     evaluated = True
     if r + 1 == config.rounds:
-      final = experiment.evaluate(config, algo, _local(state), dataset)
-      record.update(_scalars(final))
+      out.final = experiment.evaluate(config, algo, _local(state), run.dataset)
+      record.update(_scalars(out.final))
     elif config.eval_every and (r + 1) % config.eval_every == 0:
-      record.update(_scalars(experiment.evaluate(config, algo, _local(state), dataset,
+      record.update(_scalars(experiment.evaluate(config, algo, _local(state), run.dataset,
                                                  probe=False)))
     else:
       evaluated = False
@@ -318,8 +423,8 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
       with files.writing(writer.jsonl_path):
         writer.write(r + 1, record)
     if evaluated:
-      say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
-          f'({time.time() - t_start:.0f}s elapsed)')
+      run.say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
+              f'({time.time() - t_start:.0f}s elapsed)')
     else:
       logging_utils.say(f'round {r + 1}/{config.rounds}  {_metrics_text(record)}', echo=False)
     bar.set_metrics(record)
@@ -327,41 +432,47 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
     # After the last round a signal lets the run finish: its evaluation is done, only the results
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
-    with files.writing(workdir / 'checkpoints' / str(r + 1)):
+    with files.writing(run.workdir / 'checkpoints' / str(r + 1)):
       ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
                       force=r + 1 == config.rounds or bool(signum))
     if signum:
       bar.close()
       _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
-               f'{workdir / "checkpoints" / str(r + 1)} saved', primary)
+               f'{run.workdir / "checkpoints" / str(r + 1)} saved', primary)
   bar.close()
-  if not primary:
-    return {'status': 'completed'}
+  return out
 
+
+def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
+  """Process 0, after the last round: the final evaluation (redone when the run resumed from its
+  final checkpoint: it is deterministic), results.json, metrics.png and the closing lines."""
+  config, algo, workdir = run.config, run.algo, run.workdir
+  final = outcome.final
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
-    final = experiment.evaluate(config, algo, _local(state), dataset)
+    final = experiment.evaluate(config, algo, _local(outcome.state), run.dataset)
   if algo.host_metrics is not None:
-    final.update(algo.host_metrics(state))
-  writer.close()
+    final.update(algo.host_metrics(outcome.state))
+  outcome.writer.close()
   results = _results('completed', config, algo, random_init, raw_pixels, workdir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
-  if plan is not None:
-    results[plan.key] = dict(plan.summary, **{k: final[k] for k in plan.final_metrics})
+  if run.plan is not None:
+    results[run.plan.key] = dict(run.plan.summary, **{k: final[k] for k in run.plan.final_metrics})
   records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
   final.update(best_over_rounds(records, 'knn_acc'))
-  results['communication'] = _communication(algo, config, per_participant, records)
-  results['strategy'] = choice.to_json()
-  if compile_times is not None:
-    results['first_round'] = compile_times.to_json()
+  results['communication'] = _communication(algo, config, run.per_participant, records)
+  results['strategy'] = run.choice.to_json()
+  if outcome.compile_times is not None:
+    results['first_round'] = outcome.compile_times.to_json()
   with files.writing(workdir / 'results.json'):
     files.write_json(workdir / 'results.json', results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
   plotting.plot_metrics(
       records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
-      title=f'{algo.name} / {config.ssl_method} on {dataset.name} (round 0 = random init)',
+      title=f'{algo.name} / {config.ssl_method} on {run.dataset.name} (round 0 = random init)',
       hlines=_reference_lines(accs, random_init, raw_pixels))
+  say = run.say
   if 'test_acc' in final:
     say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '
         f'{random_init.get("test_acc", float("nan")):.4f}')

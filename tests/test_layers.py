@@ -19,7 +19,8 @@ LAYERS = (
     ('algorithms',),                  # the registry and one module per method
     ('eval',),                        # evaluation primitives (features, probes, kNN, protocol)
     ('run_identity', 'evaluation', 'configuration', 'checkpoint', 'logging_utils', 'plotting',
-     'experiment', 'run_guard', 'training', 'reproduce', '__init__'),  # the runner, the loop and
+     'experiment', 'run_guard', 'training', 'table_schema', 'table_stats', 'table_render',
+     'reproduce', '__init__'),  # the runner, the loop and
                                                                          # the run's files
 )
 _LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

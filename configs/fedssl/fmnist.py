@@ -20,7 +20,8 @@ Scales:
     CPU (measured under the protocol: 70 min of core time, 35 min on 2 cores), far too short for
     SSL to beat random features: probe FedSimCLR 79.41 ± 1.70 / FedBYOL 80.13 ± 0.94 (IID) against
     random init 80.09 and raw pixels 81.42 (docs/results/fedssl/fmnist_quick/table.md,
-    docs/notes/fedssl.md#fedssl-16).
+    docs/notes/fedssl.md#fedssl-16). The rows FedSwAV, FedVICReg and FedBarlow (18 more runs,
+    23 min on 2 cores) learn nothing either; Barlow Twins is reversed (docs/notes/objectives.md#obj-9).
   evidence — the budget where FedSimCLR learns (docs/results/fedssl/budget): the quickstart's
     setting (first 20,000 training images, 10 clients, Dirichlet(0.5), 1 local epoch, batch 128, SGD
     0.1 cosine, SimCLR temperature 0.2, the fedsc crop) with the small CNN for 50 rounds. Rows
@@ -47,6 +48,13 @@ ROWS = {
     'FedSimCLR': dict(algorithm='fedavg', ssl_method='simclr'),
     'FedU': dict(algorithm='fedu', ssl_method='byol'),
     'FedEMA': dict(algorithm='fedema', ssl_method='byol'),
+    # The objectives of fedjax_ssl/ssl/ under FedAvg, each at its own defaults (their modules give
+    # the sources). VICReg's loss is ~25x NT-Xent's scale and diverged at lr 0.1 in the quickstart's
+    # first round (docs/results/objectives/quickstart_seed0): it runs at 0.01, the rate measured to
+    # train there.
+    'FedSwAV': dict(algorithm='fedavg', ssl_method='swav'),
+    'FedVICReg': dict(algorithm='fedavg', ssl_method='vicreg', lr=0.01),
+    'FedBarlow': dict(algorithm='fedavg', ssl_method='barlow_twins'),
     'FedAvg (supervised)': dict(algorithm='fedavg', ssl_method='supervised'),
     'Independent (IL)': dict(algorithm='independent', ssl_method='byol'),
     # One client holding everything; the partition column does not apply, so it is pinned here and
@@ -59,7 +67,8 @@ ROWS = {
 # its random-init encoder), FedEMA and FedU improve on FedBYOL, supervised FedAvg and centralized
 # training are ceilings, independent training is the floor; and, the bar a reader sets, a trained
 # encoder beats raw pixels when labels are scarce.
-SSL_ROWS = ('FedBYOL', 'FedSimSiam', 'FedSimCLR', 'FedU', 'FedEMA')
+SSL_ROWS = ('FedBYOL', 'FedSimSiam', 'FedSimCLR', 'FedU', 'FedEMA', 'FedSwAV', 'FedVICReg',
+            'FedBarlow')
 CLAIMS = (
     *(reproduce.Claim(f'{r} learns (probe)', r, reproduce.RANDOM_INIT, 'probe_acc') for r in SSL_ROWS),
     *(reproduce.Claim(f'{r} learns (kNN)', r, reproduce.RANDOM_INIT, 'knn_acc') for r in SSL_ROWS),
@@ -74,6 +83,7 @@ CLAIMS = (
 METRICS = ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20')
 
 EVIDENCE_ROWS = ('FedBYOL', 'FedSimCLR', 'FedAvg (supervised)')
+NEW_OBJECTIVE_ROWS = ('FedMoCo', 'FedSwAV', 'FedVICReg', 'FedBarlow')
 SCALES = ('quick', 'evidence', 'paper')
 
 COLUMNS = {
@@ -133,6 +143,13 @@ def get_table(scale: str) -> reproduce.Table:
     # At lr 0.1 supervised FedAvg diverged in one of 3 seeds (seed 2, round 3; EVAL-15): the
     # reference ceiling runs at half that rate, which can only make it stronger.
     rows['FedAvg (supervised)'] = dict(ROWS['FedAvg (supervised)'], lr=0.05)
+    # The objectives of fedjax_ssl/ssl/ at this budget. MoCo's queue may not be longer than the
+    # smallest client's data (moco.check_clients): 422 images at seed 0 of this split (1104 / 686 at
+    # seeds 1 / 2), so 384 slots, 3 batches of keys. (At the quick scale no length fits the
+    # Dir(0.1) column, whose smallest client holds 50 images, under one batch of keys: no MoCo row.)
+    rows['FedMoCo'] = dict(algorithm='fedavg', ssl_method='moco', **{'moco.queue_size': 384})
+    for r in NEW_OBJECTIVE_ROWS[1:]:
+      rows[r] = ROWS[r]
     columns = {'Dir(0.5)': dict(partition='dirichlet', alpha=0.5)}
     claims = tuple(x for x in CLAIMS if x.better in rows and x.worse in tuple(rows) + (
         reproduce.RANDOM_INIT, reproduce.RAW_PIXELS))
@@ -149,7 +166,14 @@ def get_table(scale: str) -> reproduce.Table:
                                  'knn_acc_1pct')
                  for r in ('FedSimCLR (IID)', 'Centralized SimCLR (CL)')),
                reproduce.Claim('FedSimCLR (IID) > FedSimCLR (kNN)', 'FedSimCLR (IID)', 'FedSimCLR',
-                               'knn_acc'))
+                               'knn_acc'),
+               *(reproduce.Claim(f'FedMoCo {claim}', 'FedMoCo', reference, metric)
+                 for claim, reference, metric in (
+                     ('learns (probe)', reproduce.RANDOM_INIT, 'probe_acc'),
+                     ('learns (kNN)', reproduce.RANDOM_INIT, 'knn_acc'),
+                     ('> raw pixels, 1% labels', reproduce.RAW_PIXELS, 'knn_acc_1pct'))),
+               *(reproduce.Claim(f'{r} > raw pixels, probe', r, reproduce.RAW_PIXELS, 'probe_acc')
+                 for r in NEW_OBJECTIVE_ROWS))
   return reproduce.Table(
       name='fedssl_fmnist',
       title=('FedSSL on Fashion-MNIST (10 clients): IID vs Dirichlet(0.1)' if scale != 'evidence' else
@@ -159,4 +183,9 @@ def get_table(scale: str) -> reproduce.Table:
       notes=('quick / evidence: the field\'s protocol (L-BFGS logistic probe on standardised frozen '
              'features, C from a grid on a held-out 10%; 1% = 3 stratified draws; kNN k=200 / 20, '
              'T=0.1 cosine on the labelled subset). paper: 100 epochs of Adam on frozen features '
-             '(EasyFL). Independent training is the mean over the 10 client encoders.'))
+             '(EasyFL). Independent training is the mean over the 10 client encoders. The '
+             'objectives of fedjax_ssl/ssl/ (FedSwAV, FedVICReg at lr 0.01, FedBarlow; FedMoCo at '
+             'the evidence scale only: no MoCo queue fits the quick Dir(0.1) split, whose smallest '
+             'client holds 50 images) collapse the backbone\'s dimensions at the quick budget '
+             '(geometry.md: effective rank 1.1 to 4.7 against 17.3 at init; '
+             'docs/notes/objectives.md#obj-9).'))

@@ -8,11 +8,15 @@ stateless clients and `client_state='host'`, as a client's own memory of its ear
 keys only). Two deviations from the released code, both for exactness: the queue starts empty,
 with unfilled slots masked out of the negatives (the release fills it with random unit vectors,
 which are negatives until overwritten), and a step's keys are written with wrap-around, so the
-queue size need not be a multiple of the batch. `symmetric` is the CIFAR demo's two-way loss (sum
+queue size need not be a multiple of the batch. The queue may not be longer than the smallest
+client's data (a longer one holds keys of all of that client's images, so each query meets its own
+image among its negatives) nor shorter than one step's keys; both are refused once the partition is
+known (`check_clients`). `symmetric` is the CIFAR demo's two-way loss (sum
 of both directions, both views' keys enqueued); the default is MoCo v2's one-way loss.
 """
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.ssl import losses
@@ -55,6 +59,26 @@ def defaults() -> ml_collections.ConfigDict:
   return block
 
 
+def check_clients(block: ml_collections.ConfigDict, sizes: np.ndarray, batch_size: int) -> None:
+  """The queue against the clients' data: no longer than the smallest client's images (a longer
+  queue holds keys of every image that client has, so each query meets its own image among its
+  negatives), and no shorter than the keys one step enqueues."""
+  step_keys = batch_size * (2 if block.symmetric else 1)
+  smallest = int(np.argmin(sizes))
+  if block.queue_size > sizes[smallest]:
+    raise cv.ConfigError(
+        f'moco.queue_size = {block.queue_size} is invalid for this partition: must be <= '
+        f'{int(sizes[smallest])}, the images of its smallest client (client {smallest}); a longer '
+        'queue holds keys of every image that client has, so each query meets its own image among '
+        'its negatives' + (f'; and no queue fits: one step enqueues {step_keys} keys (batch_size '
+                           f'= {batch_size}{" x 2, symmetric" if block.symmetric else ""})'
+                           if step_keys > sizes[smallest] else ''))
+  if block.queue_size < step_keys:
+    raise cv.ConfigError(
+        f'moco.queue_size = {block.queue_size} is invalid: must be >= {step_keys}, the keys one '
+        f'step enqueues (batch_size = {batch_size}{" x 2, symmetric" if block.symmetric else ""})')
+
+
 def validate(block: ml_collections.ConfigDict) -> None:
   cv.check_float_range('moco.temperature', block.temperature, 0.0, None, inclusive=(False, True))
   cv.check_int_range('moco.queue_size', block.queue_size, 1, 10_000_000)
@@ -63,5 +87,5 @@ def validate(block: ml_collections.ConfigDict) -> None:
 
 OBJECTIVE = registry.register(registry.Objective(
     name='moco', loss=loss, target=True, defaults=defaults, validate=validate,
-    state_init=state_init, update_state=update_state,
+    state_init=state_init, update_state=update_state, check_clients=check_clients,
     doc='MoCo v2: InfoNCE against a per-client queue of momentum keys'))

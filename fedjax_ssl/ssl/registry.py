@@ -67,6 +67,9 @@ class Objective:
       outputs on the L2-normalised projection, online output 'scores' [B, K], parameters
       params['prototypes'] renormalised to unit rows before every step; clients share it when
       `hparams['shared_prototypes']` (`shared_modules`).
+    check_clients: (block, client_sizes int [C], batch_size) -> None, raising ConfigError when the
+      objective cannot run on clients of these sizes (MoCo's queue against a client's data); run
+      once the partition is known, before compute. None = nothing to check.
     doc: one line for listings and errors.
   """
   name: str
@@ -82,6 +85,7 @@ class Objective:
   state_init: Optional[Callable[..., Any]] = None
   update_state: Optional[Callable[..., Any]] = None
   prototypes: bool = False
+  check_clients: Optional[Callable[..., None]] = None
   doc: str = ''
 
   @property

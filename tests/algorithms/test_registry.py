@@ -57,6 +57,7 @@ def _small_config(name: str, **overrides):
                 batch_size=32, encoder='mlp', heads='custom', proj_hidden=16, proj_out=8,
                 pred_hidden=16, pred_out=8, augmentation='flip', knn_k=10, probe='adam', probe_epochs=1,
                 strategy='map', rounds=2))
+  c.moco.queue_size = 64  # within a client's 72 images (moco.check_clients)
   for key, value in {**NEEDS.get(name, {}), **overrides}.items():
     node = c
     *path, leaf = key.split('.')

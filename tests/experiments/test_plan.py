@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import plan
+from fedjax_ssl.core import compilation
 from configs import quickstart
 from fedjax_ssl import configuration, experiment, reproduce
 from fedjax_ssl.data import partition
@@ -123,10 +124,10 @@ def test_table_estimate_is_the_sum_of_its_runs():
 def test_xla_flops_counts_a_convolution_and_a_matmul_exactly():
   # VALID convolution: every output element is Cin * K * K multiply-adds (2 FLOPs each).
   x, w = np.ones((4, 3, 10, 10), np.float32), np.ones((5, 3, 3, 3), np.float32)
-  conv = plan.xla_flops(lambda x, w: jax.lax.conv(x, w, (1, 1), 'VALID'), x, w)
+  conv = compilation.xla_flops(lambda x, w: jax.lax.conv(x, w, (1, 1), 'VALID'), x, w)
   assert conv == 2 * 4 * 5 * 8 * 8 * 3 * 3 * 3
   a, b = np.ones((7, 11), np.float32), np.ones((11, 13), np.float32)
-  assert plan.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13
+  assert compilation.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13
 
 
 def test_xla_flops_without_a_cpu_backend_counts_on_the_default_one(monkeypatch):
@@ -134,7 +135,7 @@ def test_xla_flops_without_a_cpu_backend_counts_on_the_default_one(monkeypatch):
     raise RuntimeError(f'Unknown backend {backend}')
   monkeypatch.setattr(jax, 'local_devices', no_cpu)
   a, b = np.ones((7, 11), np.float32), np.ones((11, 13), np.float32)
-  assert plan.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13  # here the default is the CPU
+  assert compilation.xla_flops(jnp.matmul, a, b) == 2 * 7 * 11 * 13  # here the default is the CPU
 
 
 def test_the_synthetic_stand_in_has_the_planned_client_sizes():

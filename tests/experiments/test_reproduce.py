@@ -519,3 +519,17 @@ def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
   again = reproduce.mark_collapsed(table, list(back.values()))
   assert {(e['row'], e['metric']): (e['seeds'], e['collapsed']) for e in again} == {
       k: (e['seeds'], e['collapsed']) for k, e in back.items()}
+
+
+def test_read_csv_refuses_a_table_csv_of_another_layout(tmp_path):
+  # Every committed table.csv has CSV_FIELDS; one without the per-seed reference and collapse
+  # columns (the layout before them) is refused in one line, not read with silent blanks.
+  path = tmp_path / 'table.csv'
+  old = [f for f in reproduce.CSV_FIELDS
+         if f not in ('random_init_values', 'raw_pixels_values', 'collapsed')]
+  path.write_text(','.join(old) + '\n')
+  with pytest.raises(cv.ConfigError) as e:
+    reproduce.read_csv(path)
+  assert str(e.value) == (f'{path} has the columns {old}: expected {list(reproduce.CSV_FIELDS)} (a '
+                          'table.csv of an older layout; re-render it with the harness of that '
+                          'time, or delete it to run the table again)')

@@ -206,13 +206,14 @@ def test_wide8192_preset_is_the_vicreg_and_barlow_twins_expander():
 @pytest.mark.slow
 @pytest.mark.parametrize('client_state', ['device', 'host'])
 def test_moco_queue_is_per_client_state_that_survives_rounds_it_sits_out(client_state):
-  """FedMoCo, 4 clients, 2 per round, 2 rounds of 2 steps of batch 32 (stateless FedAvg clients):
-  each participant's queue holds 32 keys per step it trained, a client that sat out keeps its
-  queue, and `moco.reset_state` keeps only the round's keys."""
+  """FedMoCo, 4 clients of 72 images, 2 per round, 2 rounds of 2 steps of batch 32 (stateless
+  FedAvg clients), queue 72 (the longest allowed: a client's data): each participant's queue holds
+  32 keys per step it trained up to its length, a client that sat out keeps its queue, and
+  `moco.reset_state` keeps only the round's keys."""
   def run(reset):
     config = test_registry._small_config('fedavg', ssl_method='moco', client_state=client_state,
                                          rounds=2)
-    config.moco.queue_size = 256
+    config.moco.queue_size = 72
     config.moco.reset_state = reset
     experiment.validate_config(config)
     dataset = experiment.load_data(config)
@@ -227,8 +228,9 @@ def test_moco_queue_is_per_client_state_that_survives_rounds_it_sits_out(client_
     return np.asarray(jax.device_get(state.clients['objective']['count'])), state
   counts, state = run(reset=False)
   steps = 288 // 4 // 32  # each client's examples / batch, 1 local epoch
-  assert set(np.unique(counts)) <= {0, 32 * steps, 64 * steps}, counts
-  assert counts.sum() == 2 * 2 * 32 * steps  # 2 rounds x 2 participants
+  rounds_trained = {0: 0, 32 * steps: 1, 72: 2}  # a second round fills the 72 slots
+  assert set(np.unique(counts)) <= set(rounds_trained), counts
+  assert sum(rounds_trained[int(c)] for c in counts) == 2 * 2  # 2 rounds x 2 participants
   reset, _ = run(reset=True)
   assert set(np.unique(reset)) <= {0, 32 * steps} and reset.sum() <= counts.sum()
   queue = np.asarray(jax.device_get(state.clients['objective']['queue']))
@@ -284,3 +286,24 @@ def test_swav_renormalizes_the_prototypes_before_every_step():
   want = unit['prototypes']['kernel'] - 0.5 * grads['prototypes']['kernel']
   np.testing.assert_allclose(np.asarray(new['params']['prototypes']['kernel']), np.asarray(want),
                              rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('queue_size, symmetric, message', [
+    (73, False, 'moco.queue_size = 73 is invalid for this partition: must be <= 72, the images of '
+                'its smallest client (client 0); a longer queue holds keys of every image that '
+                'client has, so each query meets its own image among its negatives'),
+    (31, False, 'moco.queue_size = 31 is invalid: must be >= 32, the keys one step enqueues '
+                '(batch_size = 32)'),
+    (40, True, 'moco.queue_size = 40 is invalid: must be >= 64, the keys one step enqueues '
+               '(batch_size = 32 x 2, symmetric)'),
+], ids=['longer_than_a_client', 'shorter_than_a_step', 'symmetric_step'])
+def test_moco_queue_is_refused_against_the_clients_data_before_compute(queue_size, symmetric,
+                                                                       message):
+  config = test_registry._small_config('fedavg', ssl_method='moco')
+  config.moco.queue_size, config.moco.symmetric = queue_size, symmetric
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  with pytest.raises(cv.ConfigError) as e:
+    experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  assert str(e.value) == message
