@@ -205,9 +205,9 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
-  run = setup(config, workdir, ckpt, verbose=verbose, primary=primary,
-              allow_config_change=allow_config_change, cache_dir=cache_dir)
-  start, state = resume(run, ckpt, restart=restart)
+  run, state = setup(config, workdir, ckpt, verbose=verbose, primary=primary,
+                     allow_config_change=allow_config_change, cache_dir=cache_dir)
+  start, state = resume(run, ckpt, state, restart=restart)
   random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
   outcome = train_rounds(run, ckpt, stop, state, start, random_init, raw_pixels,
                          bar_position=bar_position)
@@ -217,10 +217,11 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
 
 
 def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbose: bool = True,
-          primary: bool = True, allow_config_change: bool = False, cache_dir=None) -> Run:
+          primary: bool = True, allow_config_change: bool = False, cache_dir=None) -> tuple:
   """Checks the config against the workdir's, loads and partitions the data, builds the algorithm,
   resolves the strategy (measured once per program under `cache_dir` when 'auto'; a resume keeps
-  its own) and compiles the round; logs the run's header lines. Nothing is trained."""
+  its own) and compiles the round; logs the run's header lines. Nothing is trained. Returns
+  (`Run`, its initial state): the state is built once, as it holds every client's state."""
   logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
                     echo=False)
   # Resuming continues the workdir's run: refuse another config before loading anything.
@@ -260,20 +261,21 @@ def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbo
   run.say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
           f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
           f'device{"s" if devices > 1 else ""}), {run.choice.text()}')
-  run.per_participant = rd.message_bytes(algo, run.round_cfg, config.num_clients,
-                                         run.initial_state(), run.fed_data)
+  state = run.initial_state()
+  run.per_participant = rd.message_bytes(algo, run.round_cfg, config.num_clients, state,
+                                         run.fed_data)
   run.say('communication per participant and round: ' + ', '.join(
       f'{c.name}: up {b.up:,} B, down {b.down:,} B'
       for c, b in zip(rd.cohorts(algo, config.num_clients), run.per_participant)))
-  return run
+  return run, state
 
 
-def resume(run: Run, ckpt: checkpoint.Checkpointer, *, restart: bool = False) -> tuple:
-  """(first round to train, state): 0 and the initial state, or the newest intact checkpoint's
-  round and state. Runs before the reference evaluations, so that a workdir without an intact
-  checkpoint is refused before that compute. Unreadable checkpoints moved aside by an earlier
-  attempt count: starting over needs `restart` until the run has saved an intact one again."""
-  state = run.initial_state()
+def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = False) -> tuple:
+  """(first round to train, state): 0 and `state` (the initial one `setup` returned), or the newest
+  intact checkpoint's round and state. Runs before the reference evaluations, so that a workdir
+  without an intact checkpoint is refused before that compute. Unreadable checkpoints moved aside
+  by an earlier attempt count: starting over needs `restart` until the run has saved an intact one
+  again."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return 0, state
   restored = run_guard.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
