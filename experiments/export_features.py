@@ -31,7 +31,8 @@ from typing import Any, Dict, Optional
 from absl import flags
 import numpy as np
 
-from fedjax_ssl import checkpoint, core, experiment, run_identity
+from fedjax_ssl import core, experiment, run_identity
+from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
 
 FILES = ('trained_train.npy', 'trained_test.npy', 'random_train.npy', 'random_test.npy',
@@ -45,11 +46,11 @@ def export_features(workdir: pathlib.Path, out: pathlib.Path,
   Raises:
     ConfigError: not a workdir, no checkpoint (or not round_idx), or a personalised algorithm.
   """
-  workdir = pathlib.Path(workdir)
-  if not (workdir / 'config.json').exists():
+  rundir = RunDir(workdir)
+  if not rundir.has_config():
     raise cv.ConfigError(f'--workdir = {str(workdir)!r} is invalid: no config.json there (must be '
                          'the workdir of an experiments.train run)')
-  config = experiment.load_run_config(workdir)
+  config = rundir.read_config()
   dataset = experiment.load_data(config)
   # The run's client sizes: FedSC's privacy plan (and so its algorithm) depends on them.
   sizes = np.asarray(experiment.build_fed_data(config, dataset)[0].n)
@@ -62,14 +63,14 @@ def export_features(workdir: pathlib.Path, out: pathlib.Path,
     raise cv.ConfigError(f'config.algorithm = {config.algorithm!r} keeps one model per client '
                          '(personalised): export_features exports the one shared encoder of a run '
                          'and refuses it')
-  if not (workdir / 'checkpoints').is_dir():
+  if not rundir.checkpoints.is_dir():
     raise cv.ConfigError(f'--workdir = {str(workdir)!r} is invalid: no checkpoint under '
-                         f'{workdir / "checkpoints"}')
-  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+                         f'{rundir.checkpoints}')
+  with rundir.checkpointer(read_only=True) as ckpt:
     rounds = ckpt.all_rounds()
     if not rounds:
       raise cv.ConfigError(f'--workdir = {str(workdir)!r} is invalid: no checkpoint under '
-                           f'{workdir / "checkpoints"}')
+                           f'{rundir.checkpoints}')
     if round_idx is not None and round_idx not in rounds:
       raise cv.ConfigError(f'--round = {round_idx} is invalid: the checkpointed rounds are '
                            f'{rounds}')

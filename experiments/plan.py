@@ -400,25 +400,6 @@ def measure(s: Setup, rounds: int, compiled=None) -> Dict[str, Any]:
           'device': str(jax.local_devices()[0].device_kind)}
 
 
-def _variant(config: ml_collections.ConfigDict) -> str:
-  """Which parts of the algorithm's block are on: its strings and bools, and its numbers that are 0
-  (Hetero-SSFL at mu = 0 trains without the CKA term on the RAD)."""
-  block = config[config.algorithm].to_dict() if config.algorithm in config else {}
-  return ','.join(f'{k}={v}' for k, v in sorted(block.items())
-                  if isinstance(v, (str, bool)) or (isinstance(v, (int, float)) and v == 0))
-
-
-def step_group(config: ml_collections.ConfigDict) -> str:
-  """The runs of a table counted at one step cost: same encoders, method, algorithm and variant,
-  batch, augmentation, heads, public set and image shape."""
-  info = configuration.dataset_info(config)
-  encoders = ','.join(e for _, e in algorithms.registry.encoders(config))
-  variant = _variant(config)
-  return (f'{config.algorithm}{f" ({variant})" if variant else ""} / {config.ssl_method}, '
-          f'{encoders}, heads {config.heads}, B {config.batch_size}, {config.augmentation}, '
-          f'public {config.public_size}, {"x".join(map(str, info.image_shape))}')
-
-
 def table_estimate(path: str, scale: str = 'paper', seeds: Sequence[int] = (0, 1, 2),
                    tflops: float = 18.0, target: str = 'gpu') -> Dict[str, Any]:
   """FLOPs and hours of every run of a table (module docstring: one step compiled per group)."""
@@ -430,7 +411,9 @@ def table_estimate(path: str, scale: str = 'paper', seeds: Sequence[int] = (0, 1
   groups: Dict[str, Dict[str, Any]] = {}
   total = 0.0
   for run in runs:
-    group = groups.setdefault(step_group(run.config), {'from': run.name, 'runs': 0, 'flops': 0.0})
+    group = groups.setdefault(
+        run_identity.step_cost_key(run.config, configuration.dataset_info(run.config).image_shape),
+        {'from': run.name, 'runs': 0, 'flops': 0.0})
     if 'flops_per_step' not in group:  # the group's first run: its step compiled
       s = setup(run.config, target)
       group['flops_per_step'] = cohort_step_flops(s)

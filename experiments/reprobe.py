@@ -17,16 +17,18 @@ import pathlib
 
 from absl import flags
 
-from fedjax_ssl import checkpoint, configuration, experiment, logging_utils, run_identity
+from fedjax_ssl import configuration, experiment, logging_utils, run_identity
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
+from fedjax_ssl.run_dir import RunDir
 
 
 def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
             round_idx: int | None) -> dict:
   """{'round', 'probe_epochs', 'standardize', 'random_init_probe_acc', 'trained_probe_acc'}."""
-  config = experiment.load_run_config(workdir)
+  rundir = RunDir(workdir)
+  config = rundir.read_config()
   if probe_epochs is not None:
     config.probe_epochs = probe_epochs
   config.probe_standardize = standardize
@@ -41,9 +43,9 @@ def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,
   # The same init key as experiments.train, so this is the run's own random-init encoder.
   init_key, _ = experiment.run_keys(config)
   random_state = rd.init_state(algo, init_key, config.num_clients)
-  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+  with rundir.checkpointer(read_only=True) as ckpt:
     if ckpt.latest_round() is None:
-      raise FileNotFoundError(f'no checkpoint under {workdir / "checkpoints"}')
+      raise FileNotFoundError(f'no checkpoint under {rundir.checkpoints}')
     round_done, trained_state, _ = ckpt.restore(random_state, round_idx)
   evaluate = lambda state: experiment.evaluate(config, algo, state, dataset, knn=False)['probe_acc']
   return {'round': round_done, 'probe_epochs': config.probe_epochs, 'standardize': standardize,

@@ -56,6 +56,7 @@ from fedjax_ssl import experiment, files, training  # noqa: E402
 from fedjax_ssl import logging_utils  # noqa: E402
 from fedjax_ssl import reproduce  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
+from fedjax_ssl.run_dir import RunDir  # noqa: E402
 
 _TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>.py).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
@@ -136,10 +137,10 @@ def split_overrides(argv):
   return rest, overrides
 
 
-def _write_error(workdir: pathlib.Path, exc: BaseException) -> None:
-  workdir.mkdir(parents=True, exist_ok=True)
+def _write_error(rundir: RunDir, exc: BaseException) -> None:
+  rundir.path.mkdir(parents=True, exist_ok=True)
   text = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
-  files.write_json(workdir / 'error.json', {'error': text, 'traceback': traceback.format_exc()},
+  files.write_json(rundir.error_file, {'error': text, 'traceback': traceback.format_exc()},
                    sort_keys=False)
 
 
@@ -192,14 +193,14 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
                    dynamic_ncols=True)
   for run in todo:
     grid.set_postfix_str(run.name)
-    workdir = run.workdir(out)
-    (workdir / 'error.json').unlink(missing_ok=True)
+    rundir = RunDir(run.workdir(out))
+    rundir.error_file.unlink(missing_ok=True)
     try:
-      training.train_and_evaluate(run.config, str(workdir), verbose=False, bar_position=1,
-                               reference_cache=_reference_cache(out), cache_dir=cache_dir)
+      training.train_and_evaluate(run.config, str(rundir.path), verbose=False, bar_position=1,
+                                  reference_cache=_reference_cache(out), cache_dir=cache_dir)
     except Exception as e:  # pylint: disable=broad-except
       # Recorded in the table and retried on the next invocation; the other runs go on.
-      _write_error(workdir, e)
+      _write_error(rundir, e)
       tqdm.tqdm.write(f'run {run.name} failed: {type(e).__name__}: {e}')
     grid.update(1)
     write()

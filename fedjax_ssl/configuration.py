@@ -10,7 +10,6 @@ its own block through the registry (`algorithms.registry.validate`).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import pathlib
 from typing import Optional, Tuple
@@ -153,16 +152,6 @@ def default_config() -> ml_collections.ConfigDict:
                          'block; register it under another name')
       c[name] = block(name).defaults()
   return c
-
-
-def load_run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
-  """The run's config.json over today's defaults (keys added since the run get their defaults)."""
-  path = workdir / 'config.json'
-  if not path.exists():
-    raise FileNotFoundError(f'{path} not found: --workdir must be an experiments.train workdir')
-  config = default_config()
-  config.update(run_identity.migrate(json.loads(path.read_text())))
-  return config
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

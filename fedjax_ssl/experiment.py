@@ -29,7 +29,7 @@ import numpy as np
 
 from fedjax_ssl import algorithms, run_identity
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl.configuration import (default_config, load_run_config, round_config,  # noqa: F401
+from fedjax_ssl.configuration import (default_config, round_config,  # noqa: F401
                                       validate_config)
 from fedjax_ssl.core import autotune, rng
 from fedjax_ssl.core import round as rd

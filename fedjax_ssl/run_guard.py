@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import tqdm
 
-from fedjax_ssl import checkpoint, configuration, files, run_identity
+from fedjax_ssl import checkpoint, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import strategies
+from fedjax_ssl.run_dir import RunDir
 
 EXIT_REFUSED = 1  # config_validation.run's status for a ConfigError, which RunStateError is
 EXIT_DIVERGED = 3
@@ -47,7 +48,6 @@ EXIT_DIVERGED = 3
 # must match its stored config.json (the keys a config ignores never count: `run_identity.run_key`).
 NEUTRAL_KEYS = run_identity.NEUTRAL_KEYS
 
-CONFIG_CHANGES_FILE = 'config_changes.json'
 _log = logging.getLogger('fedjax_ssl')
 
 
@@ -166,12 +166,6 @@ def _pid_alive(pid: Any) -> bool:
   return True
 
 
-def lock_name(process_index: int) -> str:
-  """The lock file of one process of a run: each process of a multi-process run locks its own, so a
-  second multi-process run on the workdir is refused in every process."""
-  return 'run.lock' if process_index == 0 else f'run.process{process_index}.lock'
-
-
 # ----------------------------------------------------------------------------------------------
 # Resuming means the same run
 # ----------------------------------------------------------------------------------------------
@@ -189,15 +183,15 @@ def _flat(d: Mapping[str, Any], prefix: str = '') -> Dict[str, Any]:
 _ABSENT = '(absent)'
 
 
-def stored_config(workdir: pathlib.Path):
-  """The config of the run in `workdir` (its config.json over today's defaults), None when there is
+def stored_config(rundir: RunDir):
+  """The config of the run in `rundir` (its config.json over today's defaults), None when there is
   none. A config.json that does not parse is a RunStateError."""
-  if not (workdir / 'config.json').exists():
+  if not rundir.has_config():
     return None
   try:
-    return configuration.load_run_config(workdir)
+    return rundir.read_config()
   except (ValueError, TypeError) as e:  # not JSON; a value of another type than the key's
-    raise RunStateError(f'{workdir / "config.json"} is unreadable ({e}): restore it, or move it '
+    raise RunStateError(f'{rundir.config_file} is unreadable ({e}): restore it, or move it '
                         'away to run this workdir without the check of its config') from None
 
 
@@ -219,37 +213,13 @@ def format_changes(changes: Mapping[str, Tuple[Any, Any]], limit: int = 8) -> st
   return ', '.join(items[:limit]) + more
 
 
-def refuse_changed_config(workdir: pathlib.Path, changes: Mapping[str, Tuple[Any, Any]]) -> None:
+def refuse_changed_config(rundir: RunDir, changes: Mapping[str, Tuple[Any, Any]]) -> None:
   """Raises the RunStateError of a resume whose config differs from the run's config.json."""
   raise RunStateError(
-      f'the config differs from the run in {workdir} (config.json): {format_changes(changes)}; '
-      'a resume continues that run: rerun with its values, use another --workdir, or pass '
-      f'--allow_config_change to continue under the new values (recorded in {CONFIG_CHANGES_FILE})')
-
-
-def record_config_changes(workdir: pathlib.Path, round_idx: int,
-                          changes: Mapping[str, Tuple[Any, Any]]) -> List[dict]:
-  """Appends {round, changes: {key: [old, new]}} to WORKDIR/config_changes.json; returns the list.
-
-  A file of its own rather than a key of config.json: config.json holds config keys only, which
-  `configuration.load_run_config` readers (reprobe, export_features) validate."""
-  path = workdir / CONFIG_CHANGES_FILE
-  history = json.loads(path.read_text()) if path.exists() else []
-  history.append({'round': int(round_idx),
-                  'changes': {k: [old, new] for k, (old, new) in changes.items()}})
-  files.write_json(path, history)
-  return history
-
-
-def read_config_changes(workdir: pathlib.Path) -> List[dict]:
-  """The run's recorded config changes ([] when none)."""
-  path = workdir / CONFIG_CHANGES_FILE
-  return json.loads(path.read_text()) if path.exists() else []
-
-
-def clear_config_changes(workdir: pathlib.Path) -> None:
-  """Forgets the recorded changes (a run that starts over from round 0 has none)."""
-  (workdir / CONFIG_CHANGES_FILE).unlink(missing_ok=True)
+      f'the config differs from the run in {rundir.path} ({rundir.config_file.name}): '
+      f'{format_changes(changes)}; a resume continues that run: rerun with its values, use another '
+      '--workdir, or pass --allow_config_change to continue under the new values (recorded in '
+      f'{rundir.config_changes_file.name})')
 
 
 

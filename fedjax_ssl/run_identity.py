@@ -12,11 +12,16 @@
     strategy 'auto' measured (`core/autotune.py`): evaluation, bookkeeping and values that enter the
     program as numbers of the same shape (seed, lr, rounds) are left out, so that the seeds and
     learning rates of one program share one measurement.
+  * `step_cost_key(config, image_shape)`: the runs whose local steps cost the same FLOPs, whatever
+    their data size, client count or rounds (`experiments.plan` compiles one step per key).
+
+Which keys an algorithm *accepts* is validation, not identity (`algorithms.registry.validate`,
+`Entry.exclusive`): `run_key` drops every block but the configured algorithm's and objective's.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import ml_collections
 
@@ -89,3 +94,21 @@ def program_keys(config: ml_collections.ConfigDict) -> Dict[str, Any]:
   """The config values that shape the round's compiled program (module docstring)."""
   return {k: v for k, v in config.to_dict().items()
           if k not in _NOT_PROGRAM_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
+
+
+def _variant(config: ml_collections.ConfigDict) -> str:
+  """Which parts of the algorithm's block are on: its strings and bools, and its numbers that are 0
+  (Hetero-SSFL at mu = 0 trains without the CKA term on the RAD)."""
+  block = config[config.algorithm].to_dict() if config.algorithm in config else {}
+  return ','.join(f'{k}={v}' for k, v in sorted(block.items())
+                  if isinstance(v, (str, bool)) or (isinstance(v, (int, float)) and v == 0))
+
+
+def step_cost_key(config: ml_collections.ConfigDict, image_shape: Sequence[int]) -> str:
+  """The runs counted at one step cost (module docstring): same encoders, objective, algorithm and
+  variant, batch, augmentation, heads, public set and image shape [H, W, C]."""
+  encoders = ','.join(e for _, e in algorithms.registry.encoders(config))
+  variant = _variant(config)
+  return (f'{config.algorithm}{f" ({variant})" if variant else ""} / {config.ssl_method}, '
+          f'{encoders}, heads {config.heads}, B {config.batch_size}, {config.augmentation}, '
+          f'public {config.public_size}, {"x".join(map(str, image_shape))}')

@@ -13,6 +13,7 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import files, plotting
+from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl.table_schema import RunSpec, Table, metric_name, run_status
 from fedjax_ssl.table_stats import (COLLAPSE_MARGIN, REFERENCE_TOLERANCE, mark_collapsed,
                                     verdicts)
@@ -288,16 +289,15 @@ def curves(table: Table, runs: Sequence[RunSpec], out: pathlib.Path, metric: str
   logged every config.eval_every rounds and at round 0 for the random-init encoder) and the
   raw-pixel reference of each seed. A resumed run that logged a round twice counts its last record.
   """
-  # Imported here: table files import this module, and logging_utils pulls in tensorboardX.
-  from fedjax_ssl import logging_utils  # pylint: disable=g-import-not-at-top
   found: Dict[Tuple[str, str], Dict[str, Any]] = {}
   for run in runs:
     status, results = run_status(run, out)
-    path = run.workdir(out) / 'metrics.jsonl'
-    if status != 'done' or results.get('status') == 'diverged' or not path.exists():
+    if status != 'done' or results.get('status') == 'diverged':
       continue
-    by_round = {r['round']: r[metric] for r in logging_utils.read_metrics(str(path))
-                if metric in r and 'round' in r}
+    records = RunDir(run.workdir(out)).read_metrics()
+    if not records:
+      continue
+    by_round = {r['round']: r[metric] for r in records if metric in r and 'round' in r}
     pixels = results.get('raw_pixels', {}).get(metric)
     for cell in run.cells:
       entry = found.setdefault(cell, {'rounds': {}, 'raw_pixels': []})

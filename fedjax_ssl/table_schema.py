@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import importlib.util
-import json
 import math
 import pathlib
 import re
@@ -17,6 +16,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment, run_identity
+from fedjax_ssl.run_dir import RunDir
 
 SCALES = ('quick', 'evidence', 'paper')
 # A table file lists the scales it defines in its own SCALES (these two when it does not).
@@ -243,13 +243,12 @@ def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collection
   return config
 
 
-def _saved_config_matches(run: 'RunSpec', workdir: pathlib.Path) -> bool:
-  """Whether the workdir's config.json (written by the training binary) is the run's config."""
-  if not (workdir / 'config.json').exists():
+def _saved_config_matches(run: 'RunSpec', rundir: RunDir) -> bool:
+  """Whether the run directory's config.json (written by the training loop) is the run's config."""
+  if not rundir.has_config():
     return False
   # Over today's defaults: a key added to the library since the run (at its default) is no change.
-  return run_identity.run_key(experiment.load_run_config(workdir)) == run_identity.run_key(
-      run.config)
+  return run_identity.run_key(rundir.read_config()) == run_identity.run_key(run.config)
 
 
 @dataclasses.dataclass
@@ -334,14 +333,14 @@ def run_status(run: RunSpec, out: pathlib.Path) -> Tuple[str, Any]:
   since it ran); it is neither counted nor overwritten."""
   if run.config_error is not None:
     return 'failed', run.config_error
-  wd = run.workdir(out)
-  results = wd / 'results.json'
-  if (wd / 'config.json').exists() and not _saved_config_matches(run, wd):
-    return 'stale', (f'{wd} holds a run of a different config (the table changed since it ran); '
-                     'delete that directory to run the current config')
-  if results.exists():
-    return 'done', json.loads(results.read_text())
-  error = wd / 'error.json'
-  if error.exists():
-    return 'failed', json.loads(error.read_text())['error']
+  rundir = RunDir(run.workdir(out))
+  if rundir.has_config() and not _saved_config_matches(run, rundir):
+    return 'stale', (f'{rundir.path} holds a run of a different config (the table changed since it '
+                     'ran); delete that directory to run the current config')
+  results = rundir.read_results()
+  if results is not None:
+    return 'done', results
+  error = rundir.read_json(rundir.error_file)
+  if error is not None:
+    return 'failed', error['error']
   return 'missing', None

@@ -12,8 +12,9 @@ strategy, compiled round: a `Run`), `resume` (the newest intact checkpoint, or r
 checkpoints, signals, divergence; an `Outcome`) and `report` (results.json, metrics.png, the
 closing lines).
 
-What it writes into WORKDIR, what a run survives and how a resume stays exact are in the binary's
-docstring (experiments/train.py) and docs/DESIGN.md §12-13. Reference rows shared across runs
+The files of WORKDIR are named, read and written by one object, `run_dir.RunDir`; what a run
+survives and how a resume stays exact are in the binary's docstring (experiments/train.py) and
+docs/DESIGN.md §12-13. Reference rows shared across runs
 (`raw_pixel_reference`, the random-init evaluation) go through CACHE_DIR/references, and
 `reference_evaluations` evaluates them for a config without training (experiments.reproduce).
 """
@@ -32,25 +33,23 @@ import numpy as np
 
 from fedjax_ssl import (checkpoint, configuration, experiment, files, logging_utils, plotting,
                         run_guard)
+from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import compilation, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import partition
 from fedjax_ssl.data.info import DatasetInfo
 
-LOG_FILE = 'train.log'
-STRATEGY_FILE = 'strategy.json'  # the strategy the run resolved (autotune.Choice), for its resumes
 REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
 
 
-def _stored_strategy(workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, chunk: int
-                     ) -> dict | None:
+def _stored_strategy(rundir: RunDir, ckpt: checkpoint.Checkpointer, chunk: int) -> dict | None:
   """The strategy of the run a resume continues (WORKDIR/strategy.json), None for a fresh start.
   A workdir with checkpoints but no record ran before strategies were measured: the static default
   of this backend, which is what 'auto' was then."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return None
-  path = workdir / STRATEGY_FILE
+  path = rundir.strategy_file
   if path.exists():
     try:
       return json.loads(path.read_text())
@@ -128,24 +127,24 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
       raise cv.ConfigError(f'config.strategy = {config.strategy!r} is invalid with '
                            f"{jax.process_count()} processes: must be 'shard' (the participants "
                            "are spread over every process's devices)")
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    primary = jax.process_index() == 0
-    with run_guard.WorkdirLock(workdir / run_guard.lock_name(jax.process_index())) as lock:
+    rundir = RunDir(workdir)
+    rundir.path.mkdir(parents=True, exist_ok=True)
+    process = jax.process_index()
+    primary = process == 0
+    with run_guard.WorkdirLock(rundir.lock_file(process)) as lock:
       try:
         warning, refused = lock.acquire(), None
       except run_guard.RunStateError as e:
         warning, refused = None, e
       if run_guard.agree_max(refused is not None):  # every process refuses if one does
         raise refused or run_guard.RunStateError(
-            f'workdir {workdir} is in use by another run (seen by another process of this run)')
-      log.open(workdir / (LOG_FILE if primary else f'train.process{jax.process_index()}.log'))
+            f'workdir {rundir.path} is in use by another run (seen by another process of this run)')
+      log.open(rundir.log_file(process))
       if warning:
         run_guard.report(warning, echo=primary)
-      with run_guard.StopSignals() as stop, checkpoint.Checkpointer(
-          workdir / 'checkpoints', save_every=config.checkpoint_every) as ckpt:
+      with run_guard.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
         try:
-          return _run(config, workdir, ckpt, stop, verbose=verbose and primary,
+          return _run(config, rundir, ckpt, stop, verbose=verbose and primary,
                       bar_position=bar_position, primary=primary, restart=restart,
                       allow_config_change=allow_config_change, reference_cache=reference_cache,
                       cache_dir=cache_dir)
@@ -162,7 +161,8 @@ class Run:
   """A run once set up (`setup`): what its later stages share.
 
   Attributes:
-    config: the run's config; workdir: its run directory; primary: process 0 (the one that writes).
+    config: the run's config; rundir: its run directory (`RunDir`, the run's files); primary:
+    process 0 (the one that writes).
     dataset, fed_data: the data (fed_data replicated over the processes); algo: the Algorithm;
     plan: the algorithm's run plan or None; round_cfg: the RoundConfig; init_key, run_key: the keys
     of the initial state and of the rounds; choice: the resolved strategy (autotune.Choice);
@@ -171,7 +171,7 @@ class Run:
     verbose: the console lines for a person are printed.
   """
   config: Any
-  workdir: pathlib.Path
+  rundir: RunDir
   primary: bool
   verbose: bool
   dataset: Any
@@ -201,11 +201,11 @@ class Run:
                                   strategies.replicate(state.clients)))
 
 
-def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
+def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
-  run, state = setup(config, workdir, ckpt, verbose=verbose, primary=primary,
+  run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
                      allow_config_change=allow_config_change, cache_dir=cache_dir)
   start, state = resume(run, ckpt, state, restart=restart)
   random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
@@ -216,19 +216,19 @@ def _run(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer,
   return report(run, outcome, random_init, raw_pixels)
 
 
-def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbose: bool = True,
+def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: bool = True,
           primary: bool = True, allow_config_change: bool = False, cache_dir=None) -> tuple:
   """Checks the config against the workdir's, loads and partitions the data, builds the algorithm,
   resolves the strategy (measured once per program under `cache_dir` when 'auto'; a resume keeps
   its own) and compiles the round; logs the run's header lines. Nothing is trained. Returns
   (`Run`, its initial state): the state is built once, as it holds every client's state."""
-  logging_utils.say(f'workdir {workdir}; config {json.dumps(config.to_dict(), sort_keys=True)}',
-                    echo=False)
+  logging_utils.say(f'workdir {rundir.path}; config '
+                    f'{json.dumps(config.to_dict(), sort_keys=True)}', echo=False)
   # Resuming continues the workdir's run: refuse another config before loading anything.
-  stored = run_guard.stored_config(workdir)
+  stored = run_guard.stored_config(rundir)
   changes = run_guard.config_changes(stored, config) if stored is not None else {}
   if changes and ckpt.all_rounds() and not allow_config_change:
-    run_guard.refuse_changed_config(workdir, changes)
+    run_guard.refuse_changed_config(rundir, changes)
   elif changes and not ckpt.all_rounds():
     run_guard.report(f'warning: the config differs from the workdir\'s config.json '
                      f'({run_guard.format_changes(changes)}) and there is no checkpoint to '
@@ -246,7 +246,7 @@ def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbo
   if plan is not None:
     logging_utils.say(plan.text, echo=verbose)
   init_key, run_key = experiment.run_keys(config)
-  run = Run(config=config, workdir=workdir, primary=primary, verbose=verbose, dataset=dataset,
+  run = Run(config=config, rundir=rundir, primary=primary, verbose=verbose, dataset=dataset,
             fed_data=strategies.replicate(fed_data), algo=algo, plan=plan,
             round_cfg=experiment.round_config(config), init_key=init_key, run_key=run_key,
             choice=None, round_step=None, per_participant=None, changes=changes)
@@ -254,7 +254,7 @@ def setup(config, workdir: pathlib.Path, ckpt: checkpoint.Checkpointer, *, verbo
   # the one it started with, since strategies agree only to float rounding.
   run.choice, run.round_step = experiment.choose_strategy(
       config, algo, run.fed_data, run.initial_state, run_key, cache_dir=cache_dir,
-      stored=_stored_strategy(workdir, ckpt, config.map_chunk_size))
+      stored=_stored_strategy(rundir, ckpt, config.map_chunk_size))
   devices = jax.device_count()
   encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
               else config.encoder)
@@ -281,11 +281,11 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = Fa
   restored = run_guard.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
   if restored is not None:
     start, state, _ = restored
-    run.say(f'resumed from the checkpoint of round {start} in {run.workdir / "checkpoints"}')
+    run.say(f'resumed from the checkpoint of round {start} in {run.rundir.checkpoints}')
     return start, state
   if not restart:
     raise run_guard.RunStateError(
-        f'no intact checkpoint in {run.workdir / "checkpoints"} (the unreadable ones are kept under '
+        f'no intact checkpoint in {run.rundir.checkpoints} (the unreadable ones are kept under '
         f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
         'to start over from round 0')
   run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
@@ -300,7 +300,7 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
   set). Every process evaluates (on its own copy: no collective), so that all of them reach the
   next round's collectives together; process 0 alone writes."""
   config = run.config
-  random_init_path = run.workdir / 'random_init.json'
+  random_init_path = run.rundir.random_init_file
   if random_init_path.exists() and not run.changes:
     random_init = json.loads(random_init_path.read_text())
     took = f'(from {random_init_path.name})'
@@ -320,7 +320,7 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
     run.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their '
             'mean image by construction (sources.make_synthetic)')
   elif config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
-    raw_pixels, took = raw_pixel_reference(config, run.dataset, run.workdir,
+    raw_pixels, took = raw_pixel_reference(config, run.dataset, run.rundir,
                                            reuse=not run.changes, shared_dir=reference_cache,
                                            primary=run.primary)
     run.say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
@@ -344,19 +344,19 @@ def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.Metr
   encoder on a fresh start), and the run's config.json and strategy.json written."""
   if not run.primary:
     return None
-  writer = logging_utils.MetricsWriter(str(run.workdir))
+  writer = run.rundir.metrics_writer()
   if start == 0:
     # Round 0 is the random-init encoder, so every accuracy curve starts there.
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
-    files.write_json(run.workdir / 'config.json', run.config.to_dict())
-    files.write_json(run.workdir / STRATEGY_FILE, run.choice.to_json())
-    run_guard.clear_config_changes(run.workdir)
+    run.rundir.write_config(run.config)
+    run.rundir.write_json(run.rundir.strategy_file, run.choice.to_json())
+    run.rundir.clear_config_changes()
   else:
     writer.truncate_after(start)  # rows past the restored round are dropped before any append
     if run.changes:  # --allow_config_change: the run goes on under the new values from here
-      run_guard.record_config_changes(run.workdir, start, run.changes)
-      files.write_json(run.workdir / 'config.json', run.config.to_dict())
+      run.rundir.record_config_changes(start, run.changes)
+      run.rundir.write_config(run.config)
       run.say(f'config changed at round {start}: {run_guard.format_changes(run.changes)}')
   return writer
 
@@ -407,7 +407,7 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
       if primary:
         _write_non_finite(writer, r + 1, record)
       bar.close()
-      out.diverged = _diverged(config, algo, diverged, random_init, raw_pixels, run.workdir,
+      out.diverged = _diverged(config, algo, diverged, random_init, raw_pixels, run.rundir,
                                writer, primary)
       return out
     evaluated = True
@@ -434,13 +434,13 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
     # After the last round a signal lets the run finish: its evaluation is done, only the results
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
-    with files.writing(run.workdir / 'checkpoints' / str(r + 1)):
+    with files.writing(run.rundir.checkpoints / str(r + 1)):
       ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
                       force=r + 1 == config.rounds or bool(signum))
     if signum:
       bar.close()
       _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
-               f'{run.workdir / "checkpoints" / str(r + 1)} saved', primary)
+               f'{run.rundir.checkpoints / str(r + 1)} saved', primary)
   bar.close()
   return out
 
@@ -448,30 +448,29 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
 def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   """Process 0, after the last round: the final evaluation (redone when the run resumed from its
   final checkpoint: it is deterministic), results.json, metrics.png and the closing lines."""
-  config, algo, workdir = run.config, run.algo, run.workdir
+  config, algo, rundir = run.config, run.algo, run.rundir
   final = outcome.final
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
     final = experiment.evaluate(config, algo, _local(outcome.state), run.dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(outcome.state))
   outcome.writer.close()
-  results = _results('completed', config, algo, random_init, raw_pixels, workdir, final=final)
+  results = _results('completed', config, algo, random_init, raw_pixels, rundir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
     results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if run.plan is not None:
     results[run.plan.key] = dict(run.plan.summary, **{k: final[k] for k in run.plan.final_metrics})
-  records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+  records = rundir.read_metrics()
   final.update(best_over_rounds(records, 'knn_acc'))
   results['communication'] = _communication(algo, config, run.per_participant, records)
   results['strategy'] = run.choice.to_json()
   if outcome.compile_times is not None:
     results['first_round'] = outcome.compile_times.to_json()
-  with files.writing(workdir / 'results.json'):
-    files.write_json(workdir / 'results.json', results)
+  rundir.write_results(results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
   plotting.plot_metrics(
-      records, str(workdir / 'metrics.png'), keys=['loss'] + accs,
+      records, str(rundir.plot_file), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {run.dataset.name} (round 0 = random init)',
       hlines=_reference_lines(accs, random_init, raw_pixels))
   say = run.say
@@ -502,8 +501,7 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
         say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
             f'{random_init.get(key, float("nan")):.4f} | raw pixels '
             f'{raw_pixels.get(key, float("nan")):.4f}')
-  say(f'results: {workdir / "results.json"}   plot: {workdir / "metrics.png"}   '
-      f'log: {workdir / LOG_FILE}')
+  say(f'results: {rundir.results_file}   plot: {rundir.plot_file}   log: {rundir.log_file()}')
   return results
 
 
@@ -525,12 +523,12 @@ def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
   return metrics, f'({time.time() - t0:.1f}s)'
 
 
-def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse: bool,
+def raw_pixel_reference(config, dataset, rundir: RunDir | None, *, reuse: bool,
                         shared_dir=None, primary: bool = True):
   """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
   (the config that wrote config.json is unchanged), else SHARED_DIR/raw_pixels-<key>.json when an
   earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
-  it is written to the workdir (a run directory stands alone; workdir None: no run directory) and,
+  it is written to the run directory (which stands alone; rundir None: no run directory) and,
   when computed, to shared_dir.
 
   The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
@@ -538,7 +536,7 @@ def raw_pixel_reference(config, dataset, workdir: pathlib.Path | None, *, reuse:
   random-init encoder), and every row of a table at one seed reads the same pixels: the binaries
   share it across runs through CACHE_DIR/references (`compilation.enable_cache`).
   Returns (metrics dict, a note for the log line)."""
-  raw_path = workdir / 'raw_pixels.json' if workdir is not None else None
+  raw_path = rundir.raw_pixels_file if rundir is not None else None
   if reuse and raw_path is not None and raw_path.exists():
     return json.loads(raw_path.read_text()), f'(from {raw_path.name})'
   metrics, took = _shared_reference(shared_dir, 'raw_pixels', primary,
@@ -590,7 +588,7 @@ def _reference_lines(keys, random_init: dict, raw_pixels) -> dict:
   return lines
 
 
-def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: pathlib.Path,
+def _results(status: str, config, algo, random_init: dict, raw_pixels, rundir: RunDir,
              **fields) -> dict:
   """What every results.json holds: the status, `fields`, the references (random init, raw
   pixels), the run's identity and the config changes it went through."""
@@ -598,7 +596,7 @@ def _results(status: str, config, algo, random_init: dict, raw_pixels, workdir: 
              'algorithm': algo.name, 'ssl_method': config.ssl_method}
   if raw_pixels is not None:
     results['raw_pixels'] = raw_pixels
-  config_history = run_guard.read_config_changes(workdir)
+  config_history = rundir.read_config_changes()
   if config_history:
     results['config_changes'] = config_history
   return results
@@ -624,16 +622,16 @@ def _stopped(signum: int, where: str, primary: bool):
 
 
 def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, raw_pixels,
-              workdir: pathlib.Path, writer, primary: bool) -> dict:
+              rundir: RunDir, writer, primary: bool) -> dict:
   """Reports a divergence in one line and writes results.json with "status": "diverged"."""
   run_guard.report(diverged.message(run_guard.divergence_hint(config.lr, config.grad_clip_norm)),
                    echo=primary)
   if not primary:
     return {'status': 'diverged'}
   writer.close()
-  results = _results('diverged', config, algo, random_init, raw_pixels, workdir,
+  results = _results('diverged', config, algo, random_init, raw_pixels, rundir,
                      diverged=diverged.to_json())
-  files.write_json(workdir / 'results.json', results)
+  rundir.write_results(results)
   return results
 
 

@@ -19,7 +19,7 @@ LAYERS = (
     ('algorithms',),                  # the registry and one module per method
     ('eval',),                        # evaluation primitives (features, probes, kNN, protocol)
     ('run_identity', 'evaluation', 'configuration', 'checkpoint', 'logging_utils', 'plotting',
-     'experiment', 'run_guard', 'training', 'table_schema', 'table_stats', 'table_render',
+     'experiment', 'run_dir', 'run_guard', 'training', 'table_schema', 'table_stats', 'table_render',
      'reproduce', '__init__'),  # the runner, the loop and
                                                                          # the run's files
 )

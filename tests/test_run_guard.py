@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import checkpoint, experiment, run_guard
+from fedjax_ssl.run_dir import RunDir
 
 
 def _dead_pid():
@@ -65,11 +66,12 @@ def test_lock_of_a_killed_process_is_free(tmp_path):
 
 
 def test_config_changes_ignore_neutral_and_unused_keys(tmp_path):
-  assert run_guard.stored_config(tmp_path) is None
+  rundir = RunDir(tmp_path)
+  assert run_guard.stored_config(rundir) is None
   saved = experiment.default_config()
   saved.partition = 'iid'
   (tmp_path / 'config.json').write_text(json.dumps(saved.to_dict()))  # tuples become lists
-  stored = run_guard.stored_config(tmp_path)
+  stored = run_guard.stored_config(rundir)
   current = experiment.default_config()
   current.update(dict(partition='iid', alpha=0.1, checkpoint_every=3, eval_every=7))
   current.fedu2.lambda_u = 0.0  # the block of an algorithm this run does not use
@@ -81,18 +83,10 @@ def test_config_changes_ignore_neutral_and_unused_keys(tmp_path):
   assert run_guard.format_changes(changes, limit=1).endswith('and 1 more')
   (tmp_path / 'config.json').write_bytes(b'\x88{')
   with pytest.raises(run_guard.RunStateError, match='config.json is unreadable'):
-    run_guard.stored_config(tmp_path)
-
-
-def test_config_changes_are_recorded_with_their_round(tmp_path):
-  assert run_guard.read_config_changes(tmp_path) == []
-  run_guard.record_config_changes(tmp_path, 15, {'rounds': (60, 40)})
-  history = run_guard.record_config_changes(tmp_path, 20, {'lr': (0.1, 0.2)})
-  assert history == [{'round': 15, 'changes': {'rounds': [60, 40]}},
-                     {'round': 20, 'changes': {'lr': [0.1, 0.2]}}]
-  assert run_guard.read_config_changes(tmp_path) == history
-  run_guard.clear_config_changes(tmp_path)
-  assert run_guard.read_config_changes(tmp_path) == []
+    run_guard.stored_config(rundir)
+  with pytest.raises(run_guard.RunStateError, match=r"config differs from the run in .*"
+                     r"\(config.json\): lr .*recorded in config_changes.json"):
+    run_guard.refuse_changed_config(rundir, changes)
 
 
 def test_finite_check_flags_each_floating_leaf():

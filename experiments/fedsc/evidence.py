@@ -24,7 +24,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import logging_utils, plotting, reproduce
+from fedjax_ssl import plotting, reproduce
+from fedjax_ssl.run_dir import RunDir
 
 # The columns of privacy.md: results.json keys of the evaluation protocol, and their headers.
 METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % labels (%)'),
@@ -37,11 +38,11 @@ def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
   """row -> list of per-seed dicts (final metrics, privacy summary, kNN curve) of finished runs."""
   rows = {}
   for run in reproduce.plan_runs(table, seeds):
-    workdir = run.workdir(out)
-    if not (workdir / 'results.json').exists():
+    rundir = RunDir(run.workdir(out))
+    results = rundir.read_results()
+    if results is None:
       continue
-    results = json.loads((workdir / 'results.json').read_text())
-    records = logging_utils.read_metrics(str(workdir / 'metrics.jsonl'))
+    records = rundir.read_metrics()
     curve = [(r['round'], r['knn_acc']) for r in records if 'knn_acc' in r]
     for row, _ in run.cells:
       rows.setdefault(row, []).append({

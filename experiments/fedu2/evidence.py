@@ -28,10 +28,11 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import checkpoint, experiment, plotting
+from fedjax_ssl import experiment, plotting
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.eval import geometry
+from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl.ssl.losses import l2_normalize
 
 
@@ -61,7 +62,8 @@ def measure(algo, state, dataset, config, num_images: int) -> dict:
 
 
 def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
-  config = experiment.load_run_config(workdir)
+  rundir = RunDir(workdir)
+  config = rundir.read_config()
   key = (config.dataset, config.train_size)
   if key not in datasets:
     datasets[key] = experiment.load_data(config)
@@ -71,7 +73,7 @@ def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
   algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)
   init_key, _ = experiment.run_keys(config)
   random_state = rd.init_state(algo, init_key, config.num_clients)
-  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+  with rundir.checkpointer(read_only=True) as ckpt:
     _, trained, _ = ckpt.restore(random_state)
   return {'trained': measure(algo, trained, dataset, config, num_images),
           'random_init': measure(algo, random_state, dataset, config, num_images)}

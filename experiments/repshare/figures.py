@@ -22,9 +22,10 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from fedjax_ssl import checkpoint, experiment, logging_utils  # pylint: disable=wrong-import-position
+from fedjax_ssl import experiment  # pylint: disable=wrong-import-position
 from fedjax_ssl import plotting  # pylint: disable=wrong-import-position
 from fedjax_ssl.core import round as rd  # pylint: disable=wrong-import-position
+from fedjax_ssl.run_dir import RunDir  # pylint: disable=wrong-import-position
 
 FRAMEWORKS = ('il', 'fl', 'fd', 'ours', 'cl')
 NAMES = {'il': 'IL', 'fl': 'FL', 'fd': 'FD', 'ours': 'Ours', 'cl': 'CL'}
@@ -34,7 +35,7 @@ def _curves(run_dirs):
   """(rounds, mean of client means, mean of client stds) over the seeds' metrics.jsonl files."""
   per_seed = []
   for d in run_dirs:
-    recs = [r for r in logging_utils.read_metrics(str(d / 'metrics.jsonl')) if 'test_acc' in r]
+    recs = [r for r in RunDir(d).read_metrics() if 'test_acc' in r]
     per_seed.append({r['round']: (r['test_acc'], r.get('test_acc_client_std', 0.0)) for r in recs})
   rounds = sorted(set.intersection(*(set(s) for s in per_seed)))
   mean = np.array([np.mean([s[r][0] for s in per_seed]) for r in rounds])
@@ -51,12 +52,12 @@ def fig4(out: pathlib.Path, column: str) -> pathlib.Path:
     for j, fw in enumerate(('il', 'fl', 'fd', 'ours')):
       ax = axes[i, j]
       seeds = sorted((runs / f'{fw}.{column}-n-{n}').glob('seed*'))
-      seeds = [s for s in seeds if (s / 'results.json').exists()]
+      seeds = [s for s in seeds if RunDir(s).results_file.exists()]
       if seeds:
         r, m, s = _curves(seeds)
         ax.plot(r, 100 * m, label=f'{NAMES[fw]} ({len(seeds)} seeds)')
         ax.fill_between(r, 100 * (m - s), 100 * (m + s), alpha=0.3)
-      cl = [s for s in cl if (s / 'results.json').exists()]
+      cl = [s for s in cl if RunDir(s).results_file.exists()]
       if cl:
         r, m, _ = _curves(cl)
         ax.plot(r, 100 * m, 'k--', lw=0.8, label='CL')
@@ -78,13 +79,14 @@ def fig4(out: pathlib.Path, column: str) -> pathlib.Path:
 
 def _features(workdir: pathlib.Path, num_images: int):
   """[clients, num_images, d] features of the first test images and their labels, last round."""
-  config = experiment.load_run_config(workdir)
+  rundir = RunDir(workdir)
+  config = rundir.read_config()
   dataset = experiment.load_data(config)
   fed_data, _ = experiment.build_fed_data(config, dataset)
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   init_key, _ = experiment.run_keys(config)
   template = jax.eval_shape(lambda k: rd.init_state(algo, k, config.num_clients), init_key)
-  with checkpoint.Checkpointer(workdir / 'checkpoints', save_every=0, read_only=True) as ckpt:
+  with rundir.checkpointer(read_only=True) as ckpt:
     _, state, _ = ckpt.restore(template)
   variables, per_client = algo.eval_variables(state)
   feats = np.asarray(experiment.encoder_features(algo, variables, per_client,
@@ -99,7 +101,7 @@ def fig5(out: pathlib.Path, column: str, num_images: int = 1000) -> pathlib.Path
   fig, axes = plt.subplots(1, len(fws), figsize=(5 * len(fws), 4.6))
   for ax, fw in zip(axes, fws):
     workdir = out / 'runs' / f'{fw}.{column}-n-2' / 'seed0'
-    if not (workdir / 'results.json').exists():
+    if not RunDir(workdir).results_file.exists():
       ax.set_title(f'{NAMES[fw]}: no finished run')
       continue
     feats, labels = _features(workdir, num_images)

@@ -117,7 +117,7 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
   """FedSC over an 'sc' client spec.
 
   Args:
-    spec: ClientSpec with method 'sc' (spec.sc_mu clips inside the training loss, A4).
+    spec: ClientSpec with method 'sc' (hparams['mu'] = config.sc_mu clips inside the loss, A4).
     num_rounds: T, for the alpha schedule.
     share: False gives FedAvg+SC (no matrices, alpha = 1).
     share_start, share_every: the share-round schedule (`is_share_round`).

@@ -125,6 +125,21 @@ def test_the_global_model_is_frozen_and_relational_terms_wait_for_anchors():
   assert set(algo.upload(new, glob, None)['params']) == {'encoder', 'projector', 'predictor'}
 
 
+def test_a_byol_step_moves_the_target_by_its_ema():
+  """FedX-BYOL's step: the target becomes tau * target + (1 - tau) * the new online network (the
+  BYOL block's ema_tau), which an objective-registry rename once broke (issue 49's runs found it)."""
+  spec, algo, client, batch, glob = _setup('byol', 0.3)
+  tau = spec.hparams['ema_tau']
+  assert 0 < tau < 1
+  new, loss = algo.local_step(client, batch, jax.random.PRNGKey(3), glob, 0.1)
+  assert np.isfinite(float(loss))
+  online = ssl_client.target_from_online(new['params'], new['batch_stats'])['params']
+  for old_t, new_t, on in zip(*(jax.tree_util.tree_leaves(x) for x in (
+      client['target']['params'], new['target']['params'], online))):
+    np.testing.assert_allclose(np.asarray(new_t), tau * np.asarray(old_t) + (1 - tau) * np.asarray(on),
+                               rtol=1e-6, atol=1e-7)
+
+
 def test_config_checks():
   experiment.validate_config(_small_config('fedx'))
   experiment.validate_config(_small_config('fedx', ssl_method='byol'))

@@ -17,8 +17,7 @@ from fedjax_ssl.core.algorithm import CohortSlots
 from tests.algorithms import test_registry
 from tests.algorithms.test_registry import _small_config
 
-AGGREGATING = [n for n in ('fedavg', 'fedu', 'fedema', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare',
-                           'fd', 'feddecorr', 'ldawa', 'fedx', 'fedca', 'orchestra')]
+AGGREGATING = [n for n in test_registry.BUILT_IN if algorithms.get(n).aggregates]
 # Besides the defaults: FedU2's ADMM solver, L-DAWA's data weights, a server optimizer, FedSC's
 # uniform model average (its default) and data-weighted one.
 VARIANTS = {'fedu2_admm': ('fedu2', {'fedu2.solver': 'admm'}),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment
+from fedjax_ssl import algorithms, experiment
 from fedjax_ssl.algorithms import fedavg, ssl_client
 from fedjax_ssl.checkpoint import Checkpointer
 from fedjax_ssl.core import rng, server_opt
@@ -18,6 +18,7 @@ from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm, Prepare, weighted_mean
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import DataInfo
+from tests.algorithms import test_registry
 from tests.algorithms.test_registry import _small_config
 
 # Non-default hyper-parameters, so that a rule using a default where it should not fails; eps large
@@ -243,14 +244,16 @@ def test_personalised_algorithms_refuse_a_server_optimizer():
     experiment.validate_config(_small_config('independent', server_lr=0.5))
 
 
-@pytest.mark.parametrize('name', ['fedu', 'fedema', 'fedu2', 'fedsc', 'feddecorr', 'ldawa',
-                                  'fedx'])
+@pytest.mark.parametrize('name', [n for n in test_registry.BUILT_IN
+                                  if algorithms.get(n).global_model])
 def test_every_global_model_algorithm_takes_a_server_optimizer(name):
   """Built through the registry, each holds the optimizer's state for exactly its global
   parameters (FedU2: the BYOL target's too, which EUA moves)."""
   config = _small_config(name, server_optimizer='yogi')
   experiment.validate_config(config)
-  algo = experiment.build_algorithm(config, experiment.load_data(config))
+  dataset = experiment.load_data(config)
+  fed_data, _ = experiment.build_fed_data(config, dataset)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   _, server = algo.init(jax.random.PRNGKey(0), config.num_clients)
   params = algo.global_model.get(server)
   moments = server['server_opt'][0]

@@ -11,6 +11,7 @@ import pytest
 
 from fedjax_ssl import checkpoint, core, experiment
 from fedjax_ssl.config_validation import ConfigError
+from fedjax_ssl.run_dir import RunDir
 from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_export_writes_the_trained_and_random_init_features(run, tmp_path):
   assert sorted(p.name for p in out.iterdir()) == sorted(export_features.FILES)
   meta = json.loads((out / 'meta.json').read_text())
   assert json.loads(proc.stdout.strip().splitlines()[-1]) == meta
-  config = experiment.load_run_config(run)
+  config = RunDir(run).read_config()
   dataset = experiment.load_data(config)
   assert meta == {'dataset': 'synthetic', 'train_size': 200, 'test_size': len(dataset.test_y),
                   'num_classes': dataset.num_classes, 'encoder': 'mlp', 'feature_dim': 128,

@@ -22,6 +22,7 @@ import pytest
 from fedjax_ssl import checkpoint, experiment
 from fedjax_ssl.config_validation import ConfigError
 from fedjax_ssl.data import sources
+from fedjax_ssl.run_dir import RunDir
 from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -359,7 +360,8 @@ def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp
 
   def reference(c, name, reuse=True):
     (tmp_path / name).mkdir(exist_ok=True)
-    return train.raw_pixel_reference(c, experiment.load_data(c), tmp_path / name, reuse=reuse,
+    return train.raw_pixel_reference(c, experiment.load_data(c), RunDir(tmp_path / name),
+                                     reuse=reuse,
                                      shared_dir=shared)
 
   first, took = reference(config, 'a')

@@ -15,6 +15,7 @@ from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import DataInfo
+from fedjax_ssl.run_dir import RunDir
 from tests.algorithms import test_registry
 
 BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins', 'moco',
@@ -99,7 +100,7 @@ def test_a_stored_config_with_the_old_keys_is_migrated_with_its_identity(tmp_pat
     del saved[name]
   saved.update(temperature=0.2, nt_xent_zero_diagonal=True, ema_tau=0.96)
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  config = configuration.load_run_config(tmp_path)
+  config = RunDir(tmp_path).read_config()
   assert (config.simclr.temperature, config.simclr.zero_diagonal, config.byol.ema_tau) == (
       0.2, True, 0.96)
   assert run_identity.run_key(config) == run_identity.run_key(today)
