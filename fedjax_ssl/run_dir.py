@@ -1,6 +1,6 @@
-"""One run directory (an `experiments.train` --workdir, a table's runs/<cell>/seed<S>): the one object
-that names its files and reads and writes them, so that the loop, the run guard, the table harness
-and the binaries that read a finished run agree on them.
+"""One run directory (an `experiments.train` --workdir, a table's runs/<cell>/seed<S>): the one
+object that names its files and reads and writes them, so that the loop, the run guard, the table
+harness and the binaries that read a finished run agree on them.
 
   WORKDIR/
     config.json           the run's config (written at round 0; rewritten by --allow_config_change)

@@ -14,22 +14,16 @@ paper: configs/fedsc/common.paper_base per dataset (the official code's protocol
   clients per round. Centralized SC: the FedSC model, loss and optimiser on one client for 200
   rounds of 5 epochs (a compute-matched 1000 epochs; the paper gives no budget, A17).
 quick: Fashion-MNIST (first 10,000 images), 10 clients x 2 classes, LeNet-5, 20 rounds of 1 epoch
-  on 2 CPU cores; full (10/10) and partial (2/10) participation; no paper number applies. Results:
-  docs/results/fedsc/table2_fmnist_quick/ (both columns, every row, 3 seeds, 2-10 min a run on one
-  core; 2/10: FedSC 77.98 ± 1.30 against FedAvg + SC 77.96 ± 1.31, not confirmed). Linear probe FedSC 75.76 ± 1.51, FedAvg + SC 78.93 ± 0.75, FedAvg +
-  BYOL 79.42 ± 0.77, FedU 78.49 ± 0.75, FedEMA 79.21 ± 0.79, FedX 80.12 ± 0.26, FedCA 78.95 ± 1.49,
-  centralized SC 77.93 ± 1.03, supervised 79.73 ± 0.92, random init 79.23, raw pixels 83.45: FedSC
-  > FedAvg + SC and > FedAvg + BYOL reversed at this scale (the FedSC and FedAvg + SC runs are those
-  of configs/fedsc/dp.py, whose cells have the same config; docs/notes/fedsc.md#fedsc-e4).
+  on 2 CPU cores; full (10/10) and partial (2/10) participation; 2-10 min a run on one core; no
+  paper number applies (the FedSC and FedAvg + SC cells are those of configs/fedsc/dp.py, the same
+  configs). Expected: no SC row learns; FedSC > FedAvg + SC reversed at 10/10. Results and verdicts:
+  docs/results/fedsc/table2_fmnist_quick/table.md (docs/notes/fedsc.md#fedsc-e4).
 evidence: fedsc_common.evidence_base (the FedSSL evidence budget: first 20,000 images, small CNN,
-  50 rounds) with 10 clients x 2 classes; rows FedSC, FedAvg + SC, centralized SC (50 epochs on
-  all 20,000 images) and supervised FedAvg, 3 seeds,
-  12-25 min a run on one core. Measured (docs/results/fedsc/table2_fmnist_evidence/): FedSC probe
-  83.30 ± 0.12 against FedAvg + SC 83.51 ± 0.34 (the claim not confirmed), kNN 71.39 ± 0.25 against
-  70.48 ± 0.68; supervised FedAvg 86.42 ± 0.05 / 79.62 ± 0.27; random init 82.46 / 76.84, raw
-  pixels 83.85 / 80.69 (docs/notes/fedsc.md#fedsc-e5). Centralized SC: seeds 0-1 probe 84.95 /
-  84.48, 1%-label kNN 73.10 / 72.96 (raw pixels 70.76); seed 2 stays on the SC loss's collapse
-  plateau (loss -1, probe 73.62), so the row reads 81.02 ± 6.41 (docs/notes/fedsc.md#fedsc-e7).
+  50 rounds) with 10 clients x 2 classes; rows FedSC, FedAvg + SC, centralized SC (50 epochs on all
+  20,000 images) and supervised FedAvg, 3 seeds, 12-25 min a run on one core. Expected: FedSC =
+  FedAvg + SC on the probe within the spread; one centralized SC seed stays on the loss's collapse
+  plateau. Results and verdicts: docs/results/fedsc/table2_fmnist_evidence/table.md
+  (docs/notes/fedsc.md#fedsc-e5, #fedsc-e7).
 """
 from configs.fedsc import common as fedsc_common
 from fedjax_ssl import reproduce

@@ -16,26 +16,20 @@ independent training last, and a drop from IID to Dirichlet(0.1).
 Scales:
   quick — 4,000 training images (the first of the Debian Fashion-MNIST files), all 10,000 test
     images, 10 clients all participating, 8 rounds of 1 local epoch, batch 64, small CNN with
-    128-256(BN)-128 heads: a budget sized to run 15 trainings x 3 seeds in 40 minutes on a 2-core
-    CPU (measured under the protocol: 70 min of core time, 35 min on 2 cores), far too short for
-    SSL to beat random features: probe FedSimCLR 79.41 ± 1.70 / FedBYOL 80.13 ± 0.94 (IID) against
-    random init 80.09 and raw pixels 81.42 (docs/results/fedssl/fmnist_quick/table.md,
-    docs/notes/fedssl.md#fedssl-16). The rows FedSwAV, FedVICReg and FedBarlow (18 more runs,
-    23 min on 2 cores) learn nothing either; Barlow Twins is reversed (docs/notes/objectives.md#obj-9).
+    128-256(BN)-128 heads: 15 trainings x 3 seeds in about 40 minutes on a 2-core CPU, far too short
+    for SSL to beat random features. Expected: no SSL row above its random init. Results:
+    docs/results/fedssl/fmnist_quick/table.md (docs/notes/fedssl.md#fedssl-16,
+    docs/notes/objectives.md#obj-9 for the FedSwAV, FedVICReg and FedBarlow rows).
   evidence — the budget where FedSimCLR learns (docs/results/fedssl/budget): the quickstart's
     setting (first 20,000 training images, 10 clients, Dirichlet(0.5), 1 local epoch, batch 128, SGD
-    0.1 cosine, SimCLR temperature 0.2, the fedsc crop) with the small CNN for 50 rounds. Rows
-    FedBYOL, FedSimCLR, FedSimCLR on an IID split, centralized SimCLR (50 epochs on one client) and
-    supervised FedAvg (at lr 0.05: at 0.1 one seed diverged), one column: 10-15 min a SimCLR run and
-    17-22 min a BYOL run on one quiet core, so the 15 runs fit about 2 hours on 2 cores. Measured (3
-    seeds; docs/results/fedssl/evidence/table.md, its kNN curves in curves.png): FedSimCLR probe
-    85.04 ± 0.39, FedBYOL 83.03 ± 0.64, supervised FedAvg 86.60 ± 0.40, random init 82.46, raw
-    pixels 83.85; kNN 77.79 ± 0.47 / 76.17 ± 1.16 / 82.57 ± 0.34 / 76.84 / 80.69. FedBYOL has not
-    learned at this budget (its kNN falls to 73 at round 10 and is still climbing at round 50:
-    docs/notes/evaluation.md#eval-17). 1%-label kNN (k = 200), raw pixels 70.76: FedSimCLR 69.08 ±
-    1.35, on an IID split 71.68 ± 0.46, centralized 73.17 ± 0.36 (probe 85.85 ± 0.18, kNN 80.53 ±
-    0.54): only the centralized row clears raw pixels by 2 points
-    (docs/notes/evaluation.md#eval-22).
+    0.1 cosine, SimCLR temperature 0.2, the fedsc crop) with the small CNN for 50 rounds; rows
+    FedBYOL, FedSimCLR, FedSimCLR on an IID split, centralized SimCLR (50 epochs on one client),
+    supervised FedAvg (at lr 0.05: at 0.1 one seed diverged), FedMoCo (a 384-slot queue), FedSwAV,
+    FedVICReg and FedBarlow, one column; 10-15 min a SimCLR run and 17-22 min a BYOL run on one
+    quiet core. Expected: FedSimCLR and FedMoCo learn on the probe and beat raw pixels there;
+    FedBYOL does not move off its random init. Results and verdicts:
+    docs/results/fedssl/evidence/table.md (docs/notes/evaluation.md#eval-17, #eval-22,
+    docs/notes/objectives.md#obj-10).
   paper — the EasyFL/FedEMA protocol on the full 60,000 images: 10 clients, 100 rounds of
     5 local epochs, batch 128, SGD 0.032 cosine, weight decay 5e-4, BYOL EMA 0.99, probe 100 epochs
     (a GPU run).

@@ -26,23 +26,12 @@ to QUICK_FINETUNE_EPOCHS = 10 epochs (tested at 5 and 10) to fit a 2-core CPU; n
 applies.
 evidence: fedu2_common.evidence_base (the FedSSL evidence budget: first 20,000 images, small CNN,
 50 rounds, Dirichlet(0.1), 10 clients); rows: the SimCLR group (FedSimCLR, FedU2-SimCLR and its
-ablations without FUR / without EUA, L-DAWA-SimCLR, FedX-SimCLR), FedSimSiam and FedDecorr-SimSiam, FedBYOL, FedU-BYOL, FedEMA-BYOL and
-Orchestra, and supervised FedAvg, every row at one budget (lr 0.1), no fine-tuning; 12-16 min a run
-on one core (FedX 27 min). Measured (docs/results/fedu2/table1_fmnist_evidence/, 3 seeds): probe
-FedU2-SimCLR 84.57 ± 0.51, FedSimCLR 84.61 ± 0.18 (the claim not confirmed), L-DAWA-SimCLR 84.65 ±
-0.60, FedX-SimCLR 83.99 ± 0.16, FedDecorr-SimSiam 80.08 ± 0.86, FedU-BYOL 83.12 ± 0.62, FedEMA-BYOL
-83.22 ± 0.39; kNN 75.71 ± 0.52 / 76.73 ± 0.74 / 76.70 ± 0.64 / 68.38 ± 1.84 / 71.51 ± 0.24 / 75.69 ±
-0.71 / 75.61 ± 0.57; FedSimSiam 82.55 ± 0.06 / 74.89 ± 0.41, FedBYOL 82.39 ± 0.29 / 75.87 ± 0.64,
-Orchestra 78.89 ± 4.63 / 73.62 ± 4.81; supervised FedAvg 86.64 ± 0.82 / 81.86 ± 1.56; random init
-82.48 / 76.87, raw pixels 83.85 / 80.69 (docs/notes/fedu2.md#fedu2-e5, #fedu2-e6, #fedu2-e8,
-#fedu2-e9): only the SimCLR group learns; FedDecorr-SimSiam > FedSimSiam reversed, FedEMA-BYOL >
-FedBYOL confirmed by 0.05 over the bar. FedU2-SimCLR without FUR / without EUA: probe 83.73 ±
-0.33 / 84.62 ± 0.43, kNN 74.58 ± 0.41 / 76.82 ± 0.25, so FedU2-SimCLR > without FUR confirmed on
-kNN (+1.13) and > without EUA reversed on kNN (−1.11): EUA costs SimCLR kNN here (#fedu2-e12).
-Centralized SimCLR (all 20,000 images on one client, 50 epochs; 10 min a run): probe 85.85 ±
-0.18, kNN 80.53 ± 0.54, 1%-label kNN 73.17 ± 0.36, the only SimCLR row above raw pixels there; the
-FedSSL evidence table's `Centralized SimCLR (CL)` has the same numbers to the last digit (the
-configs differ only in keys a centralized SimCLR run does not read: alpha, byol.ema_tau, fedu2.*).
+ablations without FUR / without EUA, L-DAWA-SimCLR, FedX-SimCLR), FedSimSiam and FedDecorr-SimSiam,
+FedBYOL, FedU-BYOL, FedEMA-BYOL and Orchestra, centralized SimCLR and supervised FedAvg, every row at
+one budget (lr 0.1), no fine-tuning; 12-16 min a run on one core (FedX 27 min). Expected: only the
+SimCLR group learns (probe +1.5 to +2.2 over its random init), and FedU2-SimCLR = FedSimCLR within
+the seeds' spread. Results, 3 seeds, verdicts: docs/results/fedu2/table1_fmnist_evidence/table.md;
+causes: docs/notes/fedu2.md#fedu2-e15.
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce

@@ -13,20 +13,12 @@ paper: CIFAR-10 and CIFAR-100 (configs/fedu2/common.paper_base), the paper's num
   alongside. The paper reports kNN without saying which round's; its code logs the best over rounds,
   so the paper's numbers sit beside `knn_acc_best` (the best of the kNN monitor's rounds, every
   eval_every-th, and the last); the last round's `knn_acc` is shown too.
-quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch on 2 CPU cores; no
-  paper number applies. Results: docs/results/fedu2/fmnist_quick/ (the alpha = 0.1 column, 3 seeds,
-  4-9 min a run: kNN FedU2-BYOL 21.80 ± 7.12 against FedBYOL 54.55 ± 3.53, the claim reversed;
-  FedU2 without EUA 66.06 ± 0.85, the best row; random init 61.32, raw pixels 79.11:
-  docs/notes/fedu2.md#fedu2-e7. L-DAWA-BYOL probe 80.18 ± 0.80 against random init 79.18, while
-  FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh features to one point, 10.00 on
-  every metric: docs/notes/fedu2.md#fedu2-e4). Alpha = 0.5 / 5, 3 seeds each: kNN FedBYOL
-  52.96 ± 3.77 / 53.40 ± 3.51, FedU-BYOL 52.92 / 53.82, FedEMA-BYOL 52.67 / 53.98, L-DAWA-BYOL
-  55.45 / 54.50, FedU2 without FUR 49.78 / 52.17, without EUA 66.19 ± 1.41 / 65.90 ± 0.86,
-  FedU2-BYOL 63.37 ± 1.92 / 65.77 ± 1.17: FedU2-BYOL > FedBYOL, > FedEMA-BYOL and > without FUR
-  confirmed at both (+10.4 to +13.6), all of it FUR's (EUA adds nothing; its collapse is the
-  alpha = 0.1 split's); FedDecorr-BYOL collapses at 0.5 too (docs/notes/fedu2.md#fedu2-e10,
-  #fedu2-e11); supervised FedAvg 61.20 / 60.61. FedX-BYOL and Orchestra at 0.5 / 5 and
-  FedDecorr-BYOL at 5 collapse like at 0.1, 10.00 on every seed (docs/notes/fedu2.md#fedu2-e14).
+quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch on 2 CPU cores, 3
+  seeds; 4-9 min a run on one core (FedX 11-19 min); no paper number applies. Expected:
+  FedU2-BYOL > FedBYOL on kNN confirmed at alpha = 0.5 and 5 (all of it FUR's) and reversed at 0.1,
+  where EUA collapses it; FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh layer.
+  Results and verdicts: docs/results/fedu2/fmnist_quick/table.md; causes:
+  docs/notes/fedu2.md#fedu2-e4, #fedu2-e10, #fedu2-e11.
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce

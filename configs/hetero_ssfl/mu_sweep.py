@@ -16,16 +16,11 @@ quick: Fashion-MNIST (first 10,000 images, RAD 1,000), 5 clients x 2 classes, 3 
   MLPs, 15 rounds, rows mu in {0, 0.1, 1, 10}; no paper number applies.
 evidence: hetero_common.evidence_base (the first 20,000 images, RAD 1,000, 5 clients x 2 classes,
   3 small CNNs + 2 LeNet-5s, SimCLR in place of BYOL, which does not learn at a CPU budget; 40
-  rounds), rows mu in {0, 0.1, 1}; 17 min (mu = 0) to 29 min (mu > 0) a run on one core. Measured
-  (docs/results/hetero_ssfl/fmnist_evidence/, 3 seeds): small CNN clients probe 84.14 ± 0.27 /
-  84.27 ± 0.36 / 84.51 ± 0.14 at mu = 0 / 0.1 / 1 (random init 82.82), kNN 72.53 ± 0.37 / 72.95 ±
-  0.37 / 73.87 ± 0.71 (76.98): mu = 0.1 > local SSL not confirmed, mu = 1 not either (+1.34 kNN
-  on the small CNNs, under twice 0.71); one LeNet-5 client collapses (constant Tanh features) in one
-  seed of every row, two at mu = 1 (docs/notes/hetero_ssfl.md#hetero-e8).
-  With --config.grad_clip_norm=1.0 (docs/results/hetero_ssfl/fmnist_evidence_clip/, #hetero-e12)
-  no client collapses: probe 83.33 ± 0.18 / 83.42 ± 0.09 / 83.97 ± 0.22 over all clients (random
-  init 81.88, raw pixels 83.85), kNN 73.83 ± 0.19 / 74.61 ± 0.14 / 75.38 ± 0.38: mu = 1 > local
-  SSL confirmed on the probe and on kNN of every architecture, mu = 0.1 on kNN only.
+  rounds), rows mu in {0, 0.1, 1}; 17 min (mu = 0) to 29 min (mu > 0) a run on one core. Expected:
+  unclipped, a LeNet-5 client collapses in one seed of every row (docs/results/hetero_ssfl/
+  fmnist_evidence/table.md, docs/notes/hetero_ssfl.md#hetero-e8); with --config.grad_clip_norm=1.0
+  none does and mu = 1 > local SSL is confirmed on the probe and kNN
+  (docs/results/hetero_ssfl/fmnist_evidence_clip/table.md, #hetero-e12).
 quick and evidence also have the trained references of each architecture of the mix: supervised
   FedAvg and centralized SSL with every client on that encoder (reproduce.reference_rows).
 """

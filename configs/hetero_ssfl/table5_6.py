@@ -16,10 +16,10 @@ quick: Fashion-MNIST (first 10,000 images), 5 clients x 2 classes, the small CNN
   rounds; the protocol's 100 fine-tuning epochs (10 were tried and are not enough: after 10 epochs
   the model is mid-oscillation, docs/notes/hetero_ssfl.md#hetero-e13); no paper number applies.
   Supervised FedAvg and centralized BYOL (small CNN) are rows as references, and the claims add
-  whether each method's fine-tuned encoder beats its random-init encoder fine-tuned alike. Measured
-  (docs/results/hetero_ssfl/fmnist_quick_finetune/, 3 seeds, 3-8 min a run on one core): at 10% of
-  the labels FedU 81.43 ± 1.67, FedEMA 82.15 ± 0.96, Hetero-SSFL 80.47 ± 1.75, random init 80.79
-  (global) / 79.59 (personal): nothing confirmed; at 1% lr 0.05 sends some fine-tunes to chance.
+  whether each method's fine-tuned encoder beats its random-init encoder fine-tuned alike; 3-8 min
+  a run on one core. Expected: nothing confirmed at this scale, and the protocol's lr 0.05 sends
+  some 1 % fine-tunes to chance. Results: docs/results/hetero_ssfl/fmnist_quick_finetune/table.md
+  (docs/notes/hetero_ssfl.md#hetero-e13).
 Both scales skip the linear probe (these tables report fine-tuning only); the kNN monitor stays.
 """
 from configs.hetero_ssfl import common as hetero_common

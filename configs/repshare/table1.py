@@ -9,10 +9,9 @@ paper: configs/repshare/common.paper_base; MNIST/LeNet-5 (1,200 images, 100 roun
 quick: the Fashion-MNIST column only (the dataset this machine has), everything as in the paper
   except the model: LeNet-5 (30,986 parameters) instead of ResNet-9 (2,470,730), so the 5 x 3 runs
   x 3 seeds fit a 2-core CPU; accuracy every 4 rounds instead of every round (docs/notes/repshare.md gives the ResNet-9 cells that
-  were run). No paper number applies to the quick scale. Results (docs/results/repshare/fmnist_quick/,
-  every cell at 3 seeds, 2-7 min a run on one core): Ours 82.69 ± 0.46 / 76.86 ± 0.24 / 71.92 ±
-  0.66 at N = 2 / 5 / 10, FL 79.60 / 74.62 / 70.65, IL 78.32 / 71.75 / 67.17, FD 79.80 / 73.32 /
-  68.73, CL 82.21; Ours > IL confirmed at every N, Ours > FL at N = 2 and 5 (docs/notes/repshare.md#repshare-e5).
+  were run). No paper number applies to the quick scale; 2-7 min a run on one core. Expected: Ours >
+  IL at every N and > FL at N = 2 and 5, confirmed. Results and verdicts:
+  docs/results/repshare/fmnist_quick/table.md (docs/notes/repshare.md#repshare-e5).
 """
 from configs.repshare import common as rc
 from fedjax_ssl import reproduce

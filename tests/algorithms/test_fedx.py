@@ -136,8 +136,8 @@ def test_a_byol_step_moves_the_target_by_its_ema():
   online = ssl_client.target_from_online(new['params'], new['batch_stats'])['params']
   for old_t, new_t, on in zip(*(jax.tree_util.tree_leaves(x) for x in (
       client['target']['params'], new['target']['params'], online))):
-    np.testing.assert_allclose(np.asarray(new_t), tau * np.asarray(old_t) + (1 - tau) * np.asarray(on),
-                               rtol=1e-6, atol=1e-7)
+    want = tau * np.asarray(old_t) + (1 - tau) * np.asarray(on)
+    np.testing.assert_allclose(np.asarray(new_t), want, rtol=1e-6, atol=1e-7)
 
 
 def test_config_checks():
