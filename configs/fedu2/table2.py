@@ -19,6 +19,10 @@ quick: Fashion-MNIST (first 10,000 images), LeNet-5, 20 rounds of 1 local epoch 
   where EUA collapses it; FedDecorr-BYOL, FedX-BYOL and Orchestra collapse LeNet-5's Tanh layer.
   Results and verdicts: docs/results/fedu2/fmnist_quick/table.md; causes:
   docs/notes/fedu2.md#fedu2-e4, #fedu2-e10, #fedu2-e11.
+  With --config.encoder=small_cnn (ReLU features; the alpha = 0.1 column, 3 seeds, 4-9 min a run)
+  no row falls to chance (FedX-BYOL collapses to one dimension) and no BYOL row beats its random
+  init on kNN:
+  docs/results/fedu2/fmnist_quick_cnn/table.md (docs/notes/fedu2.md#fedu2-e16).
 """
 from configs.fedu2 import common as fedu2_common
 from fedjax_ssl import reproduce
