@@ -52,7 +52,7 @@ def _stored_strategy(rundir: RunDir, ckpt: checkpoint.Checkpointer, chunk: int) 
   path = rundir.strategy_file
   if path.exists():
     try:
-      return json.loads(path.read_text())
+      return rundir.read_json(path)
     except ValueError as e:
       run_guard.report(f'warning: {path} cannot be read ({e}): resuming under the static default '
                        'strategy; the result may differ from the run\'s at float rounding')
@@ -302,7 +302,7 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
   config = run.config
   random_init_path = run.rundir.random_init_file
   if random_init_path.exists() and not run.changes:
-    random_init = json.loads(random_init_path.read_text())
+    random_init = run.rundir.read_json(random_init_path)
     took = f'(from {random_init_path.name})'
   else:
     initial = _local(state if start == 0 else run.initial_state())
@@ -311,7 +311,7 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
         lambda: experiment.evaluation_key(config, run.algo, initial, run.dataset),
         lambda: experiment.evaluate(config, run.algo, initial, run.dataset))
     if run.primary:
-      files.write_json(random_init_path, random_init)
+      run.rundir.write_json(random_init_path, random_init)
   width = len(str(config.rounds))
   run.say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
           f'{_metrics_text(_scalars(random_init))}  {took}')
@@ -519,7 +519,8 @@ def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
   metrics = compute()
   if primary and shared is not None:
     shared.parent.mkdir(parents=True, exist_ok=True)
-    files.write_json(shared, metrics)
+    with files.writing(shared):
+      files.write_json(shared, metrics)
   return metrics, f'({time.time() - t0:.1f}s)'
 
 
@@ -538,12 +539,12 @@ def raw_pixel_reference(config, dataset, rundir: RunDir | None, *, reuse: bool,
   Returns (metrics dict, a note for the log line)."""
   raw_path = rundir.raw_pixels_file if rundir is not None else None
   if reuse and raw_path is not None and raw_path.exists():
-    return json.loads(raw_path.read_text()), f'(from {raw_path.name})'
+    return rundir.read_json(raw_path), f'(from {raw_path.name})'
   metrics, took = _shared_reference(shared_dir, 'raw_pixels', primary,
                                     lambda: experiment.raw_pixel_key(config, dataset),
                                     lambda: experiment.raw_pixel_metrics(config, dataset))
   if primary and raw_path is not None:
-    files.write_json(raw_path, metrics)
+    rundir.write_json(raw_path, metrics)
   return metrics, took
 
 

@@ -5,7 +5,6 @@ test_partition; the round equivalences with host state and other phase widths in
 test_round_equivalence."""
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
 import socket
@@ -20,6 +19,7 @@ import pytest
 from fedjax_ssl.core import local, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Prepare
+from tests import subprocess_env
 from tests.core import test_round_equivalence as eq
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -140,8 +140,8 @@ def _free_port():
 
 def _two_processes(workdir):
   """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
-  env = dict(os.environ, PYTHONPATH=str(REPO),
-             XLA_FLAGS='--xla_force_host_platform_device_count=2')
+  env = subprocess_env.binary_env()  # the caller's flags and the suite's fast compile
+  env['XLA_FLAGS'] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()
   common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
       f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
   procs = [subprocess.Popen(common + [f'--process_id={i}'], cwd=REPO, env=env,

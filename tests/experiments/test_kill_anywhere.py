@@ -36,6 +36,7 @@ _CHILD = textwrap.dedent('''
     import json, os, signal, sys
     from configs import quickstart
     from fedjax_ssl import experiment, training
+    from fedjax_ssl.core import compilation
     from fedjax_ssl.core import round as rd
 
     workdir, trigger, at, cache = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -73,6 +74,9 @@ _CHILD = textwrap.dedent('''
           die()
         await finalize(self)
       atomicity.AtomicRenameTemporaryPath.finalize = killing
+    # The binary's caches, as experiments.train sets them: later legs load the compiled programs
+    # (the same executables, so the bit-for-bit comparison stands) instead of compiling again.
+    cache = compilation.enable_cache(cache)
     results = training.train_and_evaluate(config, workdir, verbose=False, cache_dir=cache)
     print(json.dumps({'status': results['status']}))
 ''')

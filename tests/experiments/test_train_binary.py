@@ -1,6 +1,6 @@
-"""The training binary end to end on the shipped Fashion-MNIST subset: a run killed with SIGKILL,
-or stopped with SIGTERM (exit 143 after saving the round it was in), and resumed from its workdir
-ends in exactly the state (and log) of an uninterrupted run, and
+"""The training binary end to end on the shipped Fashion-MNIST subset: a run stopped with SIGTERM
+(exit 143 after saving the round it was in) and resumed from its workdir ends in exactly the state
+(and log) of an uninterrupted run (SIGKILL anywhere: tests/experiments/test_kill_anywhere.py), and
 experiments.reprobe reproduces its probe accuracies; the console shows only the lines meant for a
 person (library logs go to WORKDIR/train.log); config errors are one `error: ...` line, exit status
 1, before any data is loaded."""
@@ -65,39 +65,21 @@ def _losses(workdir):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
-  full, killed = tmp_path / 'full', tmp_path / 'killed'
+def test_stopped_run_resumes_to_the_uninterrupted_state(tmp_path):
+  # SIGKILL at any moment (inside a round, an evaluation, a checkpoint write) and its resume are
+  # tests/experiments/test_kill_anywhere.py's; this test keeps what only the binary does: the
+  # SIGTERM handling, its console line and resume command, metrics.png, and experiments.reprobe.
+  full = tmp_path / 'full'
   subprocess.run(_cmd(full), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=900)
-
-  proc = subprocess.Popen(_cmd(killed), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while not (killed / 'checkpoints' / '4').exists():
-    assert proc.poll() is None, 'run ended before it could be killed'
-    assert time.time() < deadline
-    time.sleep(0.05)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert not (killed / 'results.json').exists()
-  out = subprocess.run(_cmd(killed), cwd=REPO, env=_env(), check=True, capture_output=True,
-                       text=True, timeout=900)
-  assert 'linear probe accuracy' in out.stdout
-
-  a, b = _final_state(full), _final_state(killed)
-  leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-  assert len(leaves_a) == len(leaves_b) > 10
-  for x, y in zip(leaves_a, leaves_b):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  assert _losses(full) == _losses(killed)
+  leaves_a = jax.tree_util.tree_leaves(_final_state(full))
+  assert len(leaves_a) > 10
   assert [r for r, _ in _losses(full)] == list(range(1, ROUNDS + 1))
-  rounds = [json.loads(l)['round'] for l in (killed / 'metrics.jsonl').read_text().splitlines()]
-  assert rounds == list(range(0, ROUNDS + 1))   # round 0 = random init; no duplicates
-  res = json.loads((killed / 'results.json').read_text())
+  res = json.loads((full / 'results.json').read_text())
   assert 0.0 < res['final']['probe_acc'] <= 1.0
-  assert (killed / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert (full / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
   # experiments.reprobe with the run's own protocol reproduces both of the run's probe accuracies.
-  out = subprocess.run([sys.executable, '-m', 'experiments.reprobe', f'--workdir={killed}'],
+  out = subprocess.run([sys.executable, '-m', 'experiments.reprobe', f'--workdir={full}'],
                        cwd=REPO, env=_env(), check=True, capture_output=True, text=True, timeout=600)
   again = json.loads(out.stdout.strip().splitlines()[-1])
   assert again['round'] == ROUNDS
@@ -129,7 +111,10 @@ def test_killed_run_resumes_to_the_uninterrupted_state(tmp_path):
   assert (stopped / 'checkpoints' / str(k) / 'commit_success.txt').exists()
   assert [json.loads(l)['round'] for l in (stopped / 'metrics.jsonl').read_text().splitlines()
           ] == list(range(k + 1))
-  subprocess.run(_cmd(stopped), cwd=REPO, env=_env(), check=True, capture_output=True, timeout=900)
+  out = subprocess.run(_cmd(stopped), cwd=REPO, env=_env(), check=True, capture_output=True,
+                       text=True, timeout=900)
+  assert 'linear probe accuracy' in out.stdout
+  assert len(jax.tree_util.tree_leaves(_final_state(stopped))) == len(leaves_a)
   for x, y in zip(leaves_a, jax.tree_util.tree_leaves(_final_state(stopped))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   assert _losses(stopped) == _losses(full)
