@@ -415,15 +415,18 @@ def _maybe_profile(p: Dict[str, Any], name: str, variant: str, setting: str,
 def variant_precisions(variants: List[str]) -> List[Tuple[str, str, str]]:
   """(reported name, variant, precision) of every timed job: each variant at each of --precisions,
   named '<variant>' at float32 and '<variant>/<precision>' otherwise; a --variants entry
-  '<variant>/<precision>' at that precision only; the PyTorch variants once (their precision is
-  their own)."""
+  '<variant>/<precision>' at that precision only; the PyTorch variants once, under their own name
+  whatever --precisions is (their precision is their own, and `targets` looks them up by name)."""
   jobs = []
   for q in FLAGS.precisions:
     for v in variants:
       if '/' in v:  # '<variant>/<precision>': that precision only
         if q == FLAGS.precisions[0]:
           jobs.append((v, *v.split('/')))
-      elif v not in TORCH_VARIANTS or q == FLAGS.precisions[0]:
+      elif v in TORCH_VARIANTS:
+        if q == FLAGS.precisions[0]:
+          jobs.append((v, v, q))
+      else:
         jobs.append((v if q == 'float32' else f'{v}/{q}', v, q))
   return jobs
 

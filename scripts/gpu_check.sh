@@ -14,8 +14,9 @@
 #                                     # TFLOP/s, a jax.profiler summary of map and vmap in bf16,
 #                                     # and the same programs again from the compilation cache
 #   bash scripts/gpu_check.sh conv    # the same round's convolutions (PERF-50: grouped under vmap):
-#                                     # conv_impl='im2col' (batched matmuls) and XLA's NCHW layout
-#                                     # against the default, map and vmap in bfloat16
+#                                     # conv_impl='im2col' (batched matmuls) and the default, each
+#                                     # beside the union-batch PyTorch model (XLA's NCHW layout:
+#                                     # no gain, PERF-52)
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
@@ -101,17 +102,20 @@ core)
     --cache_dir="$CACHE" --out="$OUT/bench_c10_warm.json"
   ;;
 conv)
-  # One alternative to PERF-50's convolutions per stage, each beside the union-batch PyTorch model in
-  # its process (ratios in one run); core's bench_c10.json has the default convolutions.
+  # The alternative to PERF-50's grouped convolutions beside the union-batch PyTorch model in its
+  # process (ratios in one run); PERF-52 has its first numbers.
   stage im2col 150 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
-    --variants=map,vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=im2col \
+    --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=im2col \
     --profile_dir=/tmp/profile --torch_variants=torch_union --cache_dir="$CACHE" \
     --out="$OUT/conv_im2col.json"
-  stage nchw 150 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_force_conv_nchw=true" "$PY" -m experiments.benchmark --models=$M --clients=$C \
+  # The default convolutions beside the same references in this sitting: the anchor of the
+  # alternative, the ratios of issue 46 on this card, and PERF-51's shorter vmap trace, measured
+  # cold (the 'compile' entries).
+  stage default 120 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
-    --variants=vmap --precisions=float32,bfloat16 --peak_tflops="$PEAKS" --profile_dir=/tmp/profile \
-    --torch_variants=torch_union --out="$OUT/conv_nchw.json"
+    --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" \
+    --torch_variants=torch,torch_union --out="$OUT/conv_default.json"
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \

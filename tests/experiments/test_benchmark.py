@@ -63,6 +63,22 @@ def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation
   np.testing.assert_allclose(none / flip, 0.5, atol=0.03)
 
 
+def test_pytorch_variants_keep_their_name_whatever_the_precisions():
+  """`targets` finds the references by name: on the H200 (PERF-52) a bf16-only run reported the
+  TF32 loop as 'torch/bfloat16' and printed no ratio."""
+  probe = ('from absl import flags\n'
+           'from experiments import benchmark\n'
+           'benchmark.define_flags()\n'
+           "flags.FLAGS(['benchmark', '--precisions=bfloat16,float32'])\n"
+           "print(benchmark.variant_precisions(['vmap', 'map/float32', 'torch', 'torch_union']))\n")
+  out = subprocess.run([sys.executable, '-c', probe], cwd=REPO, env=subprocess_env.binary_env(),
+                       check=True, capture_output=True, text=True, timeout=600)
+  assert out.stdout.strip() == str([
+      ('vmap/bfloat16', 'vmap', 'bfloat16'), ('map/float32', 'map', 'float32'),
+      ('torch', 'torch', 'bfloat16'), ('torch_union', 'torch_union', 'bfloat16'),
+      ('vmap', 'vmap', 'float32')])
+
+
 @pytest.mark.slow
 def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
   out = tmp_path / 'bench.json'
