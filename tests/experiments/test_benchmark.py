@@ -103,10 +103,12 @@ def test_benchmark_times_each_variant_at_each_precision_with_mfu(tmp_path):
   np.testing.assert_allclose(bf16['speedup_vs_float32'],
                              f32['seconds_per_round'] / bf16['seconds_per_round'])
   # One local step from the same initial model: the round's loss is that step's, before its update,
-  # so it differs by the bf16 forward's rounding alone: relative errors of u = 2^-8 per operation,
-  # averaged over the batch's cosines (tests/models/test_precision.py derives ~u / 4 for its
-  # NT-Xent step). Bound u.
-  np.testing.assert_allclose(bf16['loss'], f32['loss'], rtol=2 ** -8)
+  # so it differs by the bf16 forward's rounding alone. Each layer's bf16 output carries a relative
+  # rounding of at most u / 2 (u = 2^-8); through the ~8 layers of the online and target paths
+  # (encoder, projector, predictor) these add as a random walk, ~sqrt(8) u / 2 = 1.4 u. Measured:
+  # 0.99 u with XLA's default codegen on the 2-core box, 1.25 u under --xla_cpu_max_isa=SSE4_2 (the
+  # bound u failed there), 1.05 u at the suite's fast level. Bound 2 u.
+  np.testing.assert_allclose(bf16['loss'], f32['loss'], rtol=2 ** -7)
 
 
 @pytest.mark.slow
