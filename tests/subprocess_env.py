@@ -1,10 +1,10 @@
 """XLA flags of the test session, and the environment of a binary a test starts.
 
 The session (tests/conftest.py) adds four virtual CPU devices, so the 'shard' strategy runs on a
-real mesh, and compiles fast (backend optimisation off, the loop fusion emitters): the suite's programs are
-tiny and each is compiled once, so compiling dominates (docs/notes/testing.md#test-14, #test-17). A binary a test starts gets
-the caller's own XLA_FLAGS (e.g. --xla_cpu_max_isa, so an ISA check reaches it too) without the
-virtual devices, like a user's run.
+real mesh, and compiles fast (backend optimisation off, the loop fusion emitters): the suite's
+programs are tiny and each is compiled once, so compiling dominates (docs/notes/testing.md#test-14,
+#test-17). A binary a test starts gets the caller's own XLA_FLAGS (e.g. --xla_cpu_max_isa, so an
+ISA check reaches it too) without the virtual devices, like a user's run.
 """
 import atexit
 import os
