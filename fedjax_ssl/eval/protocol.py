@@ -260,6 +260,20 @@ def _edge_warning(grid: np.ndarray, val_acc: Sequence[float], best: int, held_ou
   return f'logistic_probe: {where}: {why}'
 
 
+def _cap_warning(capped: Sequence[float], max_iter: int, grad_norm: float, tol: float,
+                 train_acc: float) -> str:
+  """Says that fits ran into max_iter, and why when the features are separable (EVAL-23: the fit
+  is not stopped at 100 % training accuracy, which would change the probe's numbers; it is only
+  named, so that a user whose probe grinds knows the cause)."""
+  where = (f'logistic_probe: the fit at C = {", ".join(f"{c:g}" for c in capped)} stopped at '
+           f'max_iter = {max_iter} before ||grad|| < tol = {tol:g} (final fit: {grad_norm:.3g})')
+  if train_acc == 1.0:
+    return (f'{where}; training accuracy 100 %: the features are linearly separable, so the '
+            'weights keep growing towards the large-C optimum; the result is the capped fit. A '
+            'grid without the largest C, or probe = "adam", ends sooner')
+  return f'{where}; training accuracy {train_acc:.4f}; the result is the capped fit'
+
+
 def logistic_probe(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_classes: int, *,
                    cs: Sequence[float] = DEFAULT_CS, holdout: float = DEFAULT_HOLDOUT,
                    seed: int = 0, rng: Optional[np.random.Generator] = None, tol: float = 1e-4,
@@ -315,9 +329,16 @@ def logistic_probe(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_cla
   else:
     fit = logistic.fit_logistic(x, y, grid[0], **kw)
   w, b = fit.weights, fit.bias
+  train_acc = float(logistic.accuracy(w, b, x, y))
+  capped = [c for c, i in zip(grid.tolist(), path_iter) if i >= max_iter]
+  if not fit.grad_norm < tol:
+    capped.append(float(grid[best]))
+  if capped:
+    logging.warning(_cap_warning(sorted(set(capped)), max_iter, float(fit.grad_norm), tol,
+                                 train_acc))
   return {
       'test_acc': float(logistic.accuracy(w, b, xt, jnp.asarray(test_y))),
-      'train_acc': float(logistic.accuracy(w, b, x, y)),
+      'train_acc': train_acc,
       'c': float(grid[best]), 'cs': grid.tolist(), 'val_acc': val_acc, 'path_num_iter': path_iter,
       'num_iter': int(fit.num_iter), 'grad_norm': float(fit.grad_norm),
       'converged': bool(fit.grad_norm < tol),

@@ -161,6 +161,31 @@ def test_the_grid_edge_warning_says_why():
       grid, np.linspace(0.5, 0.8, 10).tolist(), 9, 40)
 
 
+def test_a_fit_capped_at_max_iter_is_named_and_left_as_it_is(monkeypatch):
+  """EVAL-23: the probe does not stop at 100 % training accuracy (that would change its numbers);
+  a fit that runs into max_iter is named in one warning, with the cause when the features are
+  separable, and the result is the capped fit itself."""
+  x, y, xt, yt = _mixture(2, 60, 30, 8, 3, spread=10.0)     # far-apart means: separable
+  said = []
+  monkeypatch.setattr(protocol.logging, 'warning', said.append)
+  res = protocol.logistic_probe(x, y, xt, yt, 3, cs=[100.0], max_iter=5)
+  assert res['train_acc'] == 1.0 and not res['converged'] and res['num_iter'] == 5
+  assert len(said) == 1, said
+  assert said[0].startswith('logistic_probe: the fit at C = 100 stopped at max_iter = 5 before '
+                            '||grad|| < tol = 0.0001'), said[0]
+  assert 'linearly separable' in said[0]
+  xs, = protocol.standardize(x)
+  fit = logistic.fit_logistic(xs, y, 100.0, num_classes=3, max_iter=5)
+  np.testing.assert_array_equal(res['weights'], np.asarray(fit.weights))
+  said.clear()
+  res = protocol.logistic_probe(x, y, xt, yt, 3, cs=[1e-3], max_iter=1000)   # converges: silent
+  assert res['converged'] and said == []
+  said.clear()
+  overlapping = _mixture(2, 60, 30, 8, 3, spread=0.1)
+  res = protocol.logistic_probe(*overlapping, 3, cs=[100.0], max_iter=5)
+  assert res['train_acc'] < 1.0 and len(said) == 1 and 'separable' not in said[0], said
+
+
 GRID_DATA = dict(seed=1, n=600, m=300, d=30, k=3, spread=0.25)
 
 
