@@ -119,7 +119,7 @@ def local_step(spec: ssl_client.ClientSpec, fx: FedXConfig, client, batch, key, 
   if spec.method == 'byol':
     online = ssl_client.target_from_online(new['params'], bs)
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
-                                                 spec.hparams['ema_tau']),
+                                                 ssl_client.target_rate(spec, lr)),
                      'batch_stats': tbs}
   # In the stored flag's dtype (float64 when a test runs the state in float64).
   new['anchor'] = {'x': batch['x'], 'valid': jnp.ones_like(client['anchor']['valid'])}

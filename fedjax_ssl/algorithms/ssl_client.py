@@ -43,7 +43,8 @@ class ClientSpec:
     input_shape: (H, W, C) of the model input (after augmentation).
     hparams: the objective's hyper-parameters (`Objective.hyperparameters(config)`), over the
       defaults of its config block; a target objective's 'ema_tau' is the EMA rate,
-      target <- tau * target + (1 - tau) * online after every step.
+      target <- tau * target + (1 - tau) * online after every step (with BYOL's
+      'ema_schedule' = 'lr', a rate that follows the learning rate: `target_rate`).
     reset_optimizer: re-create the optimiser state at the start of every round (EasyFL, FedSC).
     feature_regularizer: optional (z [B, dz], key) -> scalar, already weighted, added to an SSL
       loss once per view on the online representation `regularized` (FedU2's lambda_u * FUR,
@@ -69,6 +70,11 @@ class ClientSpec:
     object.__setattr__(self, 'objective', objective)
     object.__setattr__(self, 'hparams',
                        {**objective.defaults().to_dict(), **dict(self.hparams or {})})
+    if self.hparams.get('ema_schedule', 'constant') != 'constant' and not (
+        self.hparams.get('base_lr', 0) > 0):
+      raise ValueError(f"ema_schedule = {self.hparams['ema_schedule']!r} needs hparams['base_lr'] "
+                       f"> 0 (the learning rate the schedule divides by), got "
+                       f"{self.hparams.get('base_lr')!r}")
 
   @property
   def shared(self) -> Tuple[str, ...]:
@@ -194,9 +200,24 @@ def local_step(spec: ClientSpec, client, batch, key, msg, lr, shared=None,
   if spec.objective.target:
     online = target_from_online(new['params'], bs)
     new['target'] = {'params': losses.ema_update(client['target']['params'], online['params'],
-                                                 spec.hparams['ema_tau']),
+                                                 target_rate(spec, lr)),
                      'batch_stats': tbs}
   return new, loss
+
+
+def target_rate(spec: ClientSpec, lr):
+  """The momentum target's EMA rate tau for a step at learning rate lr (a scalar, traced or not).
+
+  hparams['ema_tau'], or with hparams['ema_schedule'] == 'lr' (BYOL's block) ema_tau ** (lr /
+  hparams['base_lr']): the EMA scaling rule of Busbridge et al. ("How to Scale Your EMA", NeurIPS
+  2023), under which 1 - tau moves with the learning rate, ~(1 - ema_tau) lr / base_lr. A cosine
+  learning rate then takes tau from ema_tau towards 1 as BYOL's cosine schedule of tau does (per
+  round, as lr changes per round). Objectives without the key keep their constant rate.
+  """
+  tau = spec.hparams['ema_tau']
+  if spec.hparams.get('ema_schedule', 'constant') == 'constant':
+    return tau
+  return jnp.power(jnp.float32(tau), lr / spec.hparams['base_lr'])
 
 
 def normalize_prototypes(params):

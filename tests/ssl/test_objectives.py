@@ -12,7 +12,7 @@ import pytest
 from fedjax_ssl import algorithms, configuration, experiment, models, run_identity, ssl
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import ssl_client
-from fedjax_ssl.core import rng
+from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.run_dir import RunDir
@@ -308,3 +308,46 @@ def test_moco_queue_is_refused_against_the_clients_data_before_compute(queue_siz
   with pytest.raises(cv.ConfigError) as e:
     experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   assert str(e.value) == message
+
+
+def test_byol_ema_schedule_lr_moves_the_target_at_tau_to_the_learning_rate_ratio():
+  """byol.ema_schedule = 'lr': a step at learning rate lr moves the target at ema_tau ** (lr /
+  config.lr) (the EMA scaling rule), so a cosine learning rate takes tau towards 1; 'constant'
+  keeps ema_tau whatever lr (and its program is the one from before the key existed)."""
+  config = test_registry._small_config('fedavg', ssl_method='byol', lr=0.2)
+  config.byol.ema_tau, config.byol.ema_schedule = 0.9, 'lr'
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  spec = ssl_client.spec_from_config(config, DataInfo.of(dataset))
+  assert spec.hparams['base_lr'] == 0.2
+  # float32 pow (exp of y log x): a few ulps, 8 allowed.
+  for lr, want in ((0.2, 0.9), (0.05, 0.9 ** 0.25), (0.0, 1.0)):
+    assert float(ssl_client.target_rate(spec, jnp.float32(lr))) == pytest.approx(want, rel=1e-6)
+  # Cosine rounds: 1 - tau_r is (1 - tau) lr_r / lr to first order (BYOL's schedule's shape); with
+  # k = lr_r / lr <= 1, 1 - tau^k = -k ln tau - (k ln tau)^2 / 2 + ... and -ln tau = (1 - tau)
+  # + (1 - tau)^2 / 2 + ..., so the two differ by at most ~(1 - tau)^2.
+  for r in range(0, 50, 7):
+    lr = optim.round_lr(0.2, 'cosine', r, 50)
+    one_minus = 1.0 - float(ssl_client.target_rate(spec, lr))
+    assert one_minus == pytest.approx(0.1 * float(lr) / 0.2, abs=0.1 ** 2)
+  key = jax.random.PRNGKey(0)
+  client = ssl_client.init_client(spec, key)
+  batch = {'x': jnp.asarray(dataset.train_x[:16]), 'y': jnp.asarray(dataset.train_y[:16])}
+  new, _ = ssl_client.local_step(spec, client, batch, key, None, jnp.float32(0.05))
+  online = ssl_client.target_from_online(new['params'], new['batch_stats'])['params']
+  tau = 0.9 ** 0.25
+  for old_t, new_t, on in zip(*(jax.tree_util.tree_leaves(x) for x in (
+      client['target']['params'], new['target']['params'], online))):
+    np.testing.assert_allclose(np.asarray(new_t),
+                               tau * np.asarray(old_t) + (1 - tau) * np.asarray(on),
+                               rtol=1e-6, atol=1e-7)
+  constant = ssl_client.spec_from_config(
+      test_registry._small_config('fedavg', ssl_method='byol', lr=0.2), DataInfo.of(dataset))
+  assert ssl_client.target_rate(constant, jnp.float32(0.05)) == 0.99
+  config.byol.ema_schedule = 'cosine'
+  with pytest.raises(cv.ConfigError, match=r"config.byol.ema_schedule = 'cosine' is invalid: must "
+                                           r"be one of \['constant', 'lr'\]"):
+    experiment.validate_config(config)
+  with pytest.raises(ValueError, match=r"ema_schedule = 'lr' needs hparams\['base_lr'\] > 0"):
+    ssl_client.ClientSpec(objective='byol', model=None, tx=None, aug=None, mean=(0.5,), std=(0.3,),
+                          input_shape=(8, 8, 1), hparams={'ema_schedule': 'lr'})
