@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import signal
 import time
@@ -57,6 +58,31 @@ def _stored_strategy(rundir: RunDir, ckpt: checkpoint.Checkpointer, chunk: int) 
       run_guard.report(f'warning: {path} cannot be read ({e}): resuming under the static default '
                        'strategy; the result may differ from the run\'s at float rounding')
   return {'strategy': strategies.default_strategy(), 'map_chunk_size': chunk, 'source': 'workdir'}
+
+
+def numerics_host() -> dict:
+  """What besides the config and the strategy sets a run's float rounding: the backend, its device,
+  jax's version and, on CPU, the threads XLA may use (the CPUs this process may run on). XLA:CPU
+  splits the sums of matrix products and convolutions across its threads, so the same run on 1 and
+  on 2 threads rounds differently from the first round on and, training being chaotic, ends a few
+  tenths of a point apart (docs/notes/testing.md#test-18)."""
+  backend = jax.default_backend()
+  return {'backend': backend, 'device_kind': jax.local_devices()[0].device_kind,
+          'jax': jax.__version__,
+          'cpu_threads': len(os.sched_getaffinity(0)) if backend == 'cpu' else None}
+
+
+def host_change(stored: dict | None, current: dict) -> str | None:
+  """The warning for a resume on another numerics host than the run started on (`numerics_host`;
+  None when the same, or when the workdir predates the record)."""
+  host = (stored or {}).get('host')
+  if host is None or host == current:
+    return None
+  changed = ', '.join(f'{k} {host.get(k)!r} -> {v!r}' for k, v in current.items()
+                      if host.get(k) != v)
+  return (f'warning: this run started on another host ({changed}): the rounds from here round '
+          'floats differently, so they are not bit-identical to an uninterrupted run on the first '
+          'one (the numbers stay valid; docs/notes/testing.md#test-18)')
 
 
 def _scalars(results: dict) -> dict:
@@ -168,6 +194,7 @@ class Run:
     of the initial state and of the rounds; choice: the resolved strategy (autotune.Choice);
     round_step: the compiled round; per_participant: message sizes per cohort (rd.message_bytes);
     changes: the config's changes against the workdir's config.json ({} when none or new);
+    host: the numerics host the run started on (`numerics_host`), recorded in strategy.json;
     verbose: the console lines for a person are printed.
   """
   config: Any
@@ -185,6 +212,7 @@ class Run:
   round_step: Any
   per_participant: Any
   changes: dict
+  host: Any
 
   def say(self, message: str) -> None:
     """A line for a person: train.log always, the console when verbose."""
@@ -249,12 +277,18 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: boo
   run = Run(config=config, rundir=rundir, primary=primary, verbose=verbose, dataset=dataset,
             fed_data=strategies.replicate(fed_data), algo=algo, plan=plan,
             round_cfg=experiment.round_config(config), init_key=init_key, run_key=run_key,
-            choice=None, round_step=None, per_participant=None, changes=changes)
+            choice=None, round_step=None, per_participant=None, changes=changes, host=None)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
   # the one it started with, since strategies agree only to float rounding.
+  stored_strategy = _stored_strategy(rundir, ckpt, config.map_chunk_size)
   run.choice, run.round_step = experiment.choose_strategy(
       config, algo, run.fed_data, run.initial_state, run_key, cache_dir=cache_dir,
-      stored=_stored_strategy(rundir, ckpt, config.map_chunk_size))
+      stored=stored_strategy)
+  run.host = numerics_host()
+  moved = host_change(stored_strategy, run.host)
+  if moved:
+    run_guard.report(moved, echo=primary)
+    run.host = stored_strategy['host']   # the record keeps the host the run started on
   devices = jax.device_count()
   encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
               else config.encoder)
@@ -339,6 +373,11 @@ class Outcome:
   diverged: dict | None = None
 
 
+def _strategy_record(run: Run) -> dict:
+  """strategy.json (and results.json's 'strategy'): the resolved strategy and the host it ran on."""
+  return {**run.choice.to_json(), 'host': run.host}
+
+
 def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.MetricsWriter | None:
   """Process 0's metrics writer, its log cut to the restored round (round 0 = the random-init
   encoder on a fresh start), and the run's config.json and strategy.json written."""
@@ -350,7 +389,7 @@ def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.Metr
     writer.truncate_after(-1)
     writer.write(0, _scalars(random_init))
     run.rundir.write_config(run.config)
-    run.rundir.write_json(run.rundir.strategy_file, run.choice.to_json())
+    run.rundir.write_json(run.rundir.strategy_file, _strategy_record(run))
     run.rundir.clear_config_changes()
   else:
     writer.truncate_after(start)  # rows past the restored round are dropped before any append
@@ -463,7 +502,7 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   records = rundir.read_metrics()
   final.update(best_over_rounds(records, 'knn_acc'))
   results['communication'] = _communication(algo, config, run.per_participant, records)
-  results['strategy'] = run.choice.to_json()
+  results['strategy'] = _strategy_record(run)
   if outcome.compile_times is not None:
     results['first_round'] = outcome.compile_times.to_json()
   rundir.write_results(results)

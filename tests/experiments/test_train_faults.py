@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fedjax_ssl import experiment, run_guard
+from fedjax_ssl import experiment, run_guard, training
 from fedjax_ssl.core import round as rd
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -217,10 +217,12 @@ def test_sigterm_saves_the_round_and_the_resume_is_exact(baseline, tmp_path, mon
   _assert_same_run(workdir, baseline)
 
 
-def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch):
-  """strategy='auto' is measured once (CACHE_DIR/strategy.json) and recorded in the workdir; a
-  resume uses the recorded strategy even when the cache has changed its mind since (strategies
-  agree only to float rounding), and ends bit-exact; a fresh run takes the cache's."""
+def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch, capfd):
+  """strategy='auto' is measured once (CACHE_DIR/strategy.json) and recorded in the workdir with
+  the host it ran on; a resume uses the recorded strategy even when the cache has changed its mind
+  since (strategies agree only to float rounding), and ends bit-exact; a resume on another host
+  (here: a pretended other CPU thread count) says so in one warning and keeps the first host in the
+  record; a fresh run takes the cache's strategy."""
   monkeypatch.setenv('FEDJAX_SSL_AUTOTUNE', 'map1,vmap')  # a CPU's default has one candidate
   cache = tmp_path / 'cache'
   config = dict(checkpoint_every=10)
@@ -228,6 +230,12 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch)
   measured = full['strategy']
   assert measured['source'] == 'measured' and set(measured['seconds']) == {'map1', 'vmap'}
   assert json.loads((tmp_path / 'full' / 'strategy.json').read_text()) == measured
+  host = training.numerics_host()
+  assert measured['host'] == host and host['cpu_threads'] == len(os.sched_getaffinity(0))
+  # A fresh start, and a workdir from before the record: nothing to say.
+  assert training.host_change(None, host) is None
+  assert training.host_change({'strategy': 'map'}, host) is None
+  assert training.host_change(measured, host) is None
 
   stopped = tmp_path / 'stopped'
   def sigterm_after_2(r, state, metrics):
@@ -244,9 +252,19 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch)
   for entry in entries.values():
     entry['choice']['strategy'] = other
   (cache / 'strategy.json').write_text(json.dumps(entries))
-  resumed = _train(stopped, config=config, cache_dir=cache)
+  capfd.readouterr()
+  with monkeypatch.context() as m:
+    m.setattr(training, 'numerics_host', lambda: dict(host, cpu_threads=host['cpu_threads'] + 1))
+    resumed = _train(stopped, config=config, cache_dir=cache)
+  warnings = [l for l in capfd.readouterr().err.splitlines() if l.startswith('warning:')]
+  assert warnings == [
+      f"warning: this run started on another host (cpu_threads {host['cpu_threads']} -> "
+      f"{host['cpu_threads'] + 1}): the rounds from here round floats differently, so they are "
+      'not bit-identical to an uninterrupted run on the first one (the numbers stay valid; '
+      'docs/notes/testing.md#test-18)'], warnings
   assert (resumed['strategy']['source'], resumed['strategy']['strategy']) == (
       'workdir', measured['strategy'])
+  assert resumed['strategy']['host'] == host
   _assert_same_run(stopped, tmp_path / 'full')
   fresh = _train(tmp_path / 'fresh', config=config, cache_dir=cache)
   assert (fresh['strategy']['source'], fresh['strategy']['strategy']) == ('cache', other)
