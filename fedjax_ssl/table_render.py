@@ -30,34 +30,41 @@ def _md_cell(entry: Dict[str, Any]) -> str:
     text += f' ± {_fmt(entry["std"])}'
   if entry['paper'] is not None:
     text += f' (paper {_fmt(entry["paper"])}, {entry["diff"]:+.2f})'
-  collapsed = entry.get('collapsed', [])
-  lost = len(entry['errors']) + len(entry['diverged']) + len(collapsed)
+  lost = len(entry['errors']) + sum(len(entry.get(k, [])) for k in _LOST)
   if lost or entry['pending']:
-    marks = [f'{len(entry[k])} {k}' for k in ('diverged', 'collapsed') if entry.get(k)]
+    marks = [f'{len(entry[k])} {_LOST[k]}' for k in _LOST if entry.get(k)]
     text += (f' [{entry["n"]} of {entry["n"] + entry["pending"] + lost} seeds'
              + (f', {", ".join(marks)}]' if marks else ']'))
   return text
 
 
+# The seeds a cell's value leaves out, and how its mark names them: diverged runs, collapsed
+# encoders and single values at chance (`mark_collapsed`).
+_LOST = {'diverged': 'diverged', 'collapsed': 'collapsed', 'at_chance': 'at chance'}
+
+
 def _no_value(entry: Dict[str, Any]) -> str:
   """What a cell without a value shows: 'failed' (an error), 'diverged' (every finished seed
-  diverged), 'collapsed (k of n seeds)' (every finished seed collapsed, `mark_collapsed`) or
-  'pending'."""
+  diverged), 'collapsed (k of n seeds)' / 'at chance (k of n seeds)' (every finished seed collapsed
+  or at chance on this metric, `mark_collapsed`) or 'pending'."""
   if entry['errors']:
     return 'failed'
-  if entry.get('collapsed') and not entry['diverged']:
-    k = len(entry['collapsed'])
-    return f'collapsed ({k} of {k + entry["pending"]} seeds)'
-  return 'diverged' if entry['diverged'] else 'pending'
+  if entry['diverged']:
+    return 'diverged'
+  for key in ('collapsed', 'at_chance'):
+    if entry.get(key):
+      k = len(entry['collapsed']) + len(entry.get('at_chance', []))
+      return f'{_LOST[key]} ({len(entry[key])} of {k + entry["pending"]} seeds)'
+  return 'pending'
 
 
 # table.csv's columns. The per-seed reference values (random-init encoder, raw pixels) pair each
 # seed with its own reference in the 'learns' verdicts, also for a table rebuilt from the csv alone.
 CSV_FIELDS = ('row', 'column', 'cell', 'metric', 'n', 'mean', 'std', 'paper', 'diff',
               'random_init_mean', 'raw_pixels_mean', 'seeds', 'values', 'random_init_values',
-              'raw_pixels_values', 'pending', 'errors', 'diverged', 'collapsed')
+              'raw_pixels_values', 'pending', 'errors', 'diverged', 'collapsed', 'at_chance')
 _LIST_FIELDS = ('seeds', 'values', 'random_init_values', 'raw_pixels_values', 'errors', 'diverged',
-                'collapsed')
+                'collapsed', 'at_chance')
 
 
 def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
@@ -70,7 +77,8 @@ def write_csv(summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:
                 **{k: ' '.join(f'{v:.4f}' for v in e[k])
                    for k in ('values', 'random_init_values', 'raw_pixels_values')},
                 'errors': ' | '.join(e['errors']), 'diverged': ' | '.join(e['diverged']),
-                'collapsed': ' | '.join(e.get('collapsed', []))})
+                'collapsed': ' | '.join(e.get('collapsed', [])),
+                'at_chance': ' | '.join(e.get('at_chance', []))})
   files.write_text(path, f.getvalue())
 
 
@@ -109,7 +117,8 @@ def read_csv(path: pathlib.Path) -> List[Dict[str, Any]]:
           'pending': int(r['pending']),
           'errors': r['errors'].split(' | ') if r['errors'] else [],
           'diverged': r['diverged'].split(' | ') if r['diverged'] else [],
-          'collapsed': r['collapsed'].split(' | ') if r['collapsed'] else []})
+          'collapsed': r['collapsed'].split(' | ') if r['collapsed'] else [],
+          'at_chance': r['at_chance'].split(' | ') if r['at_chance'] else []})
   return entries
 
 
@@ -204,6 +213,13 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
               f'Left out of every mean and verdict of their cell: a seed whose full-label score is '
               f'within {COLLAPSE_MARGIN:g} points of chance (`reproduce.COLLAPSE_MARGIN`).', '']
     lines += [f'- `{cell}` {why}' for cell, why in collapsed]
+  at_chance = sorted({(e['cell'], why) for e in summary for why in e.get('at_chance', [])})
+  if at_chance:
+    lines += ['', '## Values at chance', '',
+              f'Left out of their metric\'s mean and verdicts only: a seed whose encoder did not '
+              f'collapse but whose score on one metric is within {COLLAPSE_MARGIN:g} points of '
+              f'chance (an evaluation that failed for that seed, e.g. a diverged fine-tune).', '']
+    lines += [f'- `{cell}` {why}' for cell, why in at_chance]
   carried = sorted({e['cell'] for e in summary if e.get('carried')})
   if carried:
     lines += ['', f'Carried from the previous table.csv (no run of theirs under this output '

@@ -1,5 +1,5 @@
 """A table's statistics: the runs' results summarised per (cell, metric) over seeds, the verdicts
-of its claims, collapsed seeds taken out of every mean, cells carried from an earlier table.csv, and
+of its claims, collapsed seeds (and single values at chance) taken out of every mean, cells carried from an earlier table.csv, and
 the per-seed references filled in. Definitions are `table_schema`; rendering is `table_render`."""
 from __future__ import annotations
 
@@ -136,8 +136,10 @@ def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, 
         continue
       if not found['n']:  # no seed pairs: say so where a side collapsed
         sides = [by_key.get((r, column, claim.metric)) for r in (claim.better, claim.worse)]
-        gone = [f"{e['row']} collapsed ({len(e['collapsed'])} seeds)" for e in sides
-                if e is not None and e.get('collapsed') and not e['n']]
+        gone = [f"{e['row']} {why} ({len(e[key])} seeds)" for e in sides
+                if e is not None and not e['n']
+                for key, why in (('collapsed', 'collapsed'), ('at_chance', 'at chance'))
+                if e.get(key)]
         if gone:
           found = dict(found, verdict='; '.join(gone))
       out.append({'claim': claim.text, 'better': claim.better, 'worse': claim.worse,
@@ -171,12 +173,44 @@ def collapsed_seeds(entries: Sequence[Dict[str, Any]], num_classes: int
   return {}
 
 
+def at_chance_values(entry: Dict[str, Any], num_classes: int) -> Dict[int, str]:
+  """{seed: why} of one metric entry's seeds whose value lies within COLLAPSE_MARGIN points of
+  chance: after `collapsed_seeds` took out the seeds whose encoder collapsed, such a value is an
+  evaluation that failed for that seed and metric alone (a fine-tune diverged at 1 % of the labels,
+  a kNN vote of one class), and a mean over it and learning seeds would describe neither."""
+  chance = 100.0 / num_classes
+  return {seed: (f'seed {seed}: {metric_name(entry["metric"])} {value:.2f}, within '
+                 f'{COLLAPSE_MARGIN:g} points of chance ({chance:.2f}); its other metrics keep it')
+          for seed, value in zip(entry['seeds'], entry['values'])
+          if value <= chance + COLLAPSE_MARGIN}
+
+
+def _without_seeds(e: Dict[str, Any], found: Mapping[int, str], field: str) -> Dict[str, Any]:
+  """Entry `e` with the seeds of `found` taken out of its values and per-seed references and their
+  reasons appended to e[field]; mean, std, diff and the reference means recomputed."""
+  keep = [i for i, s in enumerate(e['seeds']) if s not in found]
+  new = dict(e, seeds=[e['seeds'][i] for i in keep],
+             **{field: list(e.get(field, [])) + [found[s] for s in e['seeds'] if s in found]})
+  for key in ('values', 'random_init_values', 'raw_pixels_values'):
+    if len(e[key]) == len(e['seeds']):
+      new[key] = [e[key][i] for i in keep]
+  values = new['values']
+  new.update(n=len(values), mean=float(np.mean(values)) if values else float('nan'),
+             std=float(np.std(values, ddof=1)) if len(values) > 1 else float('nan'))
+  new['diff'] = new['mean'] - e['paper'] if e['paper'] is not None and values else None
+  for key in ('random_init', 'raw_pixels'):
+    if len(new[f'{key}_values']) == len(values) and values:
+      new[f'{key}_mean'] = float(np.mean(new[f'{key}_values']))
+  return new
+
+
 def mark_collapsed(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
   """`summary` with each cell's collapsed seeds (`collapsed_seeds`) taken out of every metric
-  entry of the cell, values and per-seed references alike, and listed in the entry's 'collapsed':
-  a mean is never over collapsed and learning seeds together, and a verdict never pairs a
-  collapsed seed. Cells of a dataset whose class count is unknown before loading are left as
-  they are."""
+  entry of the cell, values and per-seed references alike, and listed in the entry's 'collapsed';
+  then, per entry, the seeds still at chance on that metric (`at_chance_values`) taken out of that
+  entry alone and listed in its 'at_chance': a mean is never over collapsed (or failed) and
+  learning seeds together, and a verdict never pairs such a seed. Cells of a dataset whose class
+  count is unknown before loading are left as they are."""
   by_cell: Dict[str, List[Dict[str, Any]]] = {}
   for e in summary:
     by_cell.setdefault(e['cell'], []).append(e)
@@ -187,27 +221,16 @@ def mark_collapsed(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict
       classes[cell_id(row, column)] = info.num_classes
   out = []
   for e in summary:
-    found = (collapsed_seeds(by_cell[e['cell']], classes[e['cell']]) if e['cell'] in classes
-             else {})
-    keep = [i for i, s in enumerate(e['seeds']) if s not in found]
-    if len(keep) == len(e['seeds']):
-      out.append(dict(e, collapsed=list(e.get('collapsed', []))))
-      continue
-    new = dict(e, seeds=[e['seeds'][i] for i in keep],
-               collapsed=list(e.get('collapsed', [])) + [found[s] for s in e['seeds'] if s in found])
-    for key in ('values', 'random_init_values', 'raw_pixels_values'):
-      if len(e[key]) == len(e['seeds']):
-        new[key] = [e[key][i] for i in keep]
-    values = new['values']
-    new.update(n=len(values), mean=float(np.mean(values)) if values else float('nan'),
-               std=float(np.std(values, ddof=1)) if len(values) > 1 else float('nan'))
-    new['diff'] = new['mean'] - e['paper'] if e['paper'] is not None and values else None
-    for key in ('random_init', 'raw_pixels'):
-      if len(new[f'{key}_values']) == len(values) and values:
-        new[f'{key}_mean'] = float(np.mean(new[f'{key}_values']))
-    out.append(new)
+    e = dict(e, collapsed=list(e.get('collapsed', [])), at_chance=list(e.get('at_chance', [])))
+    if e['cell'] in classes:
+      found = collapsed_seeds(by_cell[e['cell']], classes[e['cell']])
+      if any(s in found for s in e['seeds']):
+        e = _without_seeds(e, found, 'collapsed')
+      failed = at_chance_values(e, classes[e['cell']])
+      if failed:
+        e = _without_seeds(e, failed, 'at_chance')
+    out.append(e)
   return out
-
 
 
 def carry_over(table: Table, summary: Sequence[Dict[str, Any]],

@@ -521,6 +521,47 @@ def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
       k: (e['seeds'], e['collapsed']) for k, e in back.items()}
 
 
+def test_a_single_value_at_chance_leaves_only_its_metric(tmp_path):
+  """A seed whose encoder learned (probe far above chance) but whose score on one metric is at
+  chance (a diverged fine-tune) leaves that metric's mean and verdicts only, marked 'at chance';
+  every seed at chance on a metric prints 'at chance (k of n seeds)'; the csv keeps the marks and
+  marking again changes nothing."""
+  rows = {'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')}, metrics=('probe_acc', 'knn_acc'),
+                 claims=(reproduce.Claim('A beats B', 'A', 'B', 'knn_acc'),))
+  probe = {'A': (0.80, 0.82, 0.84), 'B': (0.70, 0.71, 0.72)}
+  knn = {'A': (0.70, 0.72, 0.1150), 'B': (0.10, 0.11, 0.1199)}
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  for run in runs:
+    row = run.cells[0][0]
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
+         'random_init': {'probe_acc': 0.5, 'knn_acc': 0.4}}))
+  summary = reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+  by = {(e['row'], e['metric']): e for e in summary}
+  assert by[('A', 'probe_acc')]['seeds'] == [0, 1, 2] and not by[('A', 'probe_acc')]['at_chance']
+  a = by[('A', 'knn_acc')]
+  assert a['seeds'] == [0, 1] and a['collapsed'] == [] and a['random_init_values'] == [40.0, 40.0]
+  np.testing.assert_allclose(a['mean'], 71.0, rtol=1e-12)
+  assert a['at_chance'] == ['seed 2: kNN (%) 11.50, within 2 points of chance (10.00); its other '
+                            'metrics keep it']
+  assert by[('B', 'knn_acc')]['n'] == 0 and len(by[('B', 'knn_acc')]['at_chance']) == 3
+  md = reproduce.markdown(table, summary, [0, 1, 2])
+  assert '| A | 71.00 ± 1.41 [2 of 3 seeds, 1 at chance] |' in md
+  assert '| B | at chance (3 of 3 seeds) |' in md
+  assert '## Values at chance' in md and '- `a.iid` seed 2: kNN (%) 11.50' in md
+  assert '## Collapsed seeds' not in md
+  assert '| A beats B | IID | kNN (%) | – | – | 0 | B at chance (3 seeds) |' in md
+  reproduce.write_csv(summary, tmp_path / 'table.csv')
+  back = {(e['row'], e['metric']): e for e in reproduce.read_csv(tmp_path / 'table.csv')}
+  assert back[('A', 'knn_acc')]['at_chance'] == a['at_chance']
+  again = reproduce.mark_collapsed(table, list(back.values()))
+  assert {(e['row'], e['metric']): (e['seeds'], e['at_chance']) for e in again} == {
+      k: (e['seeds'], e['at_chance']) for k, e in back.items()}
+
+
 def test_read_csv_refuses_a_table_csv_of_another_layout(tmp_path):
   # Every committed table.csv has CSV_FIELDS; one without the per-seed reference and collapse
   # columns (the layout before them) is refused in one line, not read with silent blanks.
