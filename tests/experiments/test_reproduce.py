@@ -478,6 +478,20 @@ def test_fill_references_pairs_carried_seeds_only_where_they_reproduce_the_store
       'a.iid probe_acc: no references for seeds [0, 1, 2]']
 
 
+def _marked_summary(table, tmp_path, probe, knn, knn_init):
+  """`mark_collapsed` over seeds 0-2 of `table`, each run's results.json written from
+  probe[row][seed] / knn[row][seed] (fractions), random-init probe 0.5 and kNN knn_init(seed)."""
+  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
+  for run in runs:
+    row = run.cells[0][0]
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps(
+        {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
+         'random_init': {'probe_acc': 0.5, 'knn_acc': knn_init(run.seed)}}))
+  return reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+
+
 def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
   """A seed at chance (10 classes: within 2 points of 10 %) leaves every metric of its cell; a cell
   with every seed collapsed prints 'collapsed (k of n seeds)' and its claims say so; table.csv keeps
@@ -489,15 +503,7 @@ def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
                          reproduce.Claim('A beats C', 'A', 'C', 'probe_acc')))
   probe = {'A': (0.80, 0.10, 0.84), 'B': (0.10, 0.1001, 0.1199), 'C': (0.139, 0.70, 0.72)}
   knn = {'A': (0.70, 0.161, 0.72), 'B': (0.10, 0.10, 0.10), 'C': (0.13, 0.60, 0.61)}
-  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
-  for run in runs:
-    row = run.cells[0][0]
-    wd = run.workdir(tmp_path)
-    wd.mkdir(parents=True)
-    (wd / 'results.json').write_text(json.dumps(
-        {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
-         'random_init': {'probe_acc': 0.5, 'knn_acc': 0.4 + 0.01 * run.seed}}))
-  summary = reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+  summary = _marked_summary(table, tmp_path, probe, knn, knn_init=lambda seed: 0.4 + 0.01 * seed)
   by = {(e['row'], e['metric']): e for e in summary}
   a = by[('A', 'knn_acc')]  # seed 1 collapsed on the probe: out of the kNN entry too
   assert a['seeds'] == [0, 2] and a['n'] == 2
@@ -531,15 +537,7 @@ def test_a_single_value_at_chance_leaves_only_its_metric(tmp_path):
                  claims=(reproduce.Claim('A beats B', 'A', 'B', 'knn_acc'),))
   probe = {'A': (0.80, 0.82, 0.84), 'B': (0.70, 0.71, 0.72)}
   knn = {'A': (0.70, 0.72, 0.1150), 'B': (0.10, 0.11, 0.1199)}
-  runs = reproduce.plan_runs(table, seeds=[0, 1, 2])
-  for run in runs:
-    row = run.cells[0][0]
-    wd = run.workdir(tmp_path)
-    wd.mkdir(parents=True)
-    (wd / 'results.json').write_text(json.dumps(
-        {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
-         'random_init': {'probe_acc': 0.5, 'knn_acc': 0.4}}))
-  summary = reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+  summary = _marked_summary(table, tmp_path, probe, knn, knn_init=lambda seed: 0.4)
   by = {(e['row'], e['metric']): e for e in summary}
   assert by[('A', 'probe_acc')]['seeds'] == [0, 1, 2] and not by[('A', 'probe_acc')]['at_chance']
   a = by[('A', 'knn_acc')]
