@@ -171,8 +171,9 @@ def test_a_fit_capped_at_max_iter_is_named_and_left_as_it_is(monkeypatch):
   res = protocol.logistic_probe(x, y, xt, yt, 3, cs=[100.0], max_iter=5)
   assert res['train_acc'] == 1.0 and not res['converged'] and res['num_iter'] == 5
   assert len(said) == 1, said
-  assert said[0].startswith('logistic_probe: the fit at C = 100 stopped at max_iter = 5 before '
-                            '||grad|| < tol = 0.0001'), said[0]
+  assert said[0].startswith('logistic_probe: the fit at the chosen C = 100 stopped at max_iter = 5 '
+                            'with ||grad|| = '), said[0]
+  assert ', not under tol = 0.0001; training accuracy 100 %' in said[0]
   assert 'linearly separable' in said[0]
   xs, = protocol.standardize(x)
   fit = logistic.fit_logistic(xs, y, 100.0, num_classes=3, max_iter=5)
