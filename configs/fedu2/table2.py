@@ -15,8 +15,9 @@ paper: CIFAR-10 and CIFAR-100 (configs/fedu2/common.paper_base), the paper's num
   eval_every-th, and the last); the last round's `knn_acc` is shown too.
 quick: Fashion-MNIST (first 10,000 images), the small CNN (ReLU features), 20 rounds of 1 local
   epoch on 2 CPU cores, 3 seeds; 4-9 min a run on one core (FedX 11-19 min); no paper number applies.
-  Expected: no row at chance, and no claim confirmed at any alpha. Results and verdicts: docs/results/fedu2/fmnist_quick_cnn/table.md
-  (docs/notes/fedu2.md#fedu2-e16, #fedu2-e17, #fedu2-e18).
+  Expected: no row at chance; on kNN FedU2-BYOL > FedBYOL, > FedEMA-BYOL and > no FUR confirmed at
+  alpha = 5 (+2.8 to +3.0), nothing confirmed at 0.1 and 0.5. Results and verdicts:
+  docs/results/fedu2/fmnist_quick_cnn/table.md (docs/notes/fedu2.md#fedu2-e16, -e17, -e18).
   With --config.encoder=lenet5 (the quick encoder until 2026-11-28): FedDecorr-BYOL, FedX-BYOL and
   Orchestra collapse LeNet-5's Tanh layer (docs/results/fedu2/fmnist_quick/table.md,
   docs/notes/fedu2.md#fedu2-e4).
