@@ -27,6 +27,8 @@ per-seed random-init and raw-pixel values, so their "learns" claims cannot be ju
 `--recompute_references` trains nothing: it evaluates each such (cell, seed)'s round-0 references
 from the cell's config, keeps them where they reproduce the stored means (within
 `reproduce.REFERENCE_TOLERANCE` points), rewrites the table and prints the cells it left unpaired.
+It also adds the raw-pixel reference to the finished runs under DIR that finished before their
+metrics had one (`training.add_raw_pixel_reference`: the fine-tuning metrics' raw-pixel row).
 """
 from __future__ import annotations
 
@@ -228,6 +230,12 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
     table = reproduce.with_overrides(reproduce.load_table(table_path, scale), overrides or {})
     previous = reproduce.read_csv(out / 'table.csv')
     summarised = reproduce.table_runs(table, [], out)
+    backfilled = 0
+    if references:  # finished runs recorded before their raw-pixel reference existed
+      for run in summarised:
+        if reproduce.run_status(run, out)[0] == 'done' and run.config is not None:
+          backfilled += training.add_raw_pixel_reference(
+              run.config, RunDir(run.workdir(out)), _reference_cache(out)) is not None
     summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
     todo = reproduce.without_references(summary) if references else {}
     runs = {}
@@ -250,7 +258,7 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
         out / 'table.md').exists() else None
     reproduce.write_outputs(table, summary, out, shown_seeds, found.group(1) if found else command)
   print(f'{len(todo)} cells, {len(pairs)} (cell, seed) references, {len(memo)} distinct '
-        'random-init evaluations')
+        f'random-init evaluations; raw-pixel reference added to {backfilled} finished runs')
   for line in problems:
     print(f'unpaired: {line}')
   return summary

@@ -173,16 +173,28 @@ def finetune_metrics(config: ml_collections.ConfigDict, encoder: nn.Module, vari
     {'ft_acc<tag>': accuracy} with the fraction tag of `protocol.fraction_tag` (ft_acc_1pct,
     ft_acc_10pct): a float, or a [C] list of each client's accuracy when per_client.
   """
-  variables = ssl_client.encoder_variables(variables)
+  return _finetune_encoder(config, encoder, ssl_client.encoder_variables(variables), per_client,
+                           dataset)
+
+
+def finetune_keys(config: ml_collections.ConfigDict) -> List[str]:
+  """The metric names `finetune_metrics` returns under `config` (none without fine-tuning)."""
+  if config.finetune == 'none':
+    return []
+  return ['ft_acc' + fs_protocol.fraction_tag(f) for f in config.finetune_fractions]
+
+
+def _finetune_encoder(config: ml_collections.ConfigDict, encoder: nn.Module, variables: Any,
+                      per_client: bool, dataset: Dataset) -> Dict[str, Any]:
+  """`finetune_metrics` of the encoder's own variables ({'params', optional 'batch_stats'})."""
   out: Dict[str, Any] = {}
-  for fraction in config.finetune_fractions:
+  for fraction, key in zip(config.finetune_fractions, finetune_keys(config)):
     idx = finetune_subset(config, dataset, fraction)
     settings = fs_finetune.protocol_settings(config.finetune, fraction, config.finetune_epochs)
     augment_fn = finetune_augment_fn(settings.pop('augmentation'), dataset)
     kw = dict(settings, mean=dataset.mean, std=dataset.std, seed=config.seed, augment_fn=augment_fn)
     args = (dataset.train_x[idx], dataset.train_y[idx], dataset.test_x, dataset.test_y,
             dataset.num_classes)
-    key = 'ft_acc' + fs_protocol.fraction_tag(fraction)
     if per_client:
       res = fs_finetune.semi_supervised_finetune_stack(encoder, variables, *args, **kw)
       out[key] = [float(a) for a in res['test_acc']]
@@ -203,22 +215,40 @@ def protocol_metrics(config: ml_collections.ConfigDict, train_f: Any, test_f: An
       knn_temperature=config.knn_temperature)
 
 
+def has_raw_pixel_reference(config: ml_collections.ConfigDict) -> bool:
+  """Whether a run of `config` records the raw-pixel reference row (`raw_pixel_metrics`): for the
+  field's probe and kNN (config.probe = 'logistic') and for fine-tuning (config.finetune), not on
+  the synthetic set, whose classes differ in their mean image by construction
+  (sources.make_synthetic), so that a smoke run does not grind on separable pixels."""
+  return config.dataset != 'synthetic' and (config.probe == 'logistic' or
+                                            config.finetune != 'none')
+
+
 def raw_pixel_metrics(config: ml_collections.ConfigDict, dataset: Dataset) -> Dict[str, float]:
-  """The reference row of every table: the same probe and kNN (`protocol_metrics`) on the pixels
-  themselves, [N, H*W*C], each pixel standardised with the mean and std of the training split.
+  """The reference row of every table: with config.probe = 'logistic' the same probe and kNN
+  (`protocol_metrics`) on the pixels themselves, [N, H*W*C], each pixel standardised with the mean
+  and std of the training split; with config.finetune, the same fine-tuning of the identity encoder
+  (`finetune.Pixels`): the protocol's linear classifier on the pixels and the same labelled images.
 
   Standardised pixels are the strongest of the pixel inputs measured for the kNN (Fashion-MNIST,
   20k bank, 1% labels, k = 200: 0.705 standardised, 0.690 with one global mean/std, 0.647 on [0, 1]
   pixels; docs/notes/evaluation.md#eval-13), so the row is the bar a reader would set, not a weak
   one. The probe standardises its inputs anyway."""
-  pixels = lambda x: np.asarray(x, np.float32).reshape(len(x), -1)
-  train_p, test_p = fs_protocol.standardize(pixels(dataset.train_x), pixels(dataset.test_x))
-  return protocol_metrics(config, train_p, test_p, dataset)
+  out: Dict[str, float] = {}
+  if config.probe == 'logistic':
+    pixels = lambda x: np.asarray(x, np.float32).reshape(len(x), -1)
+    train_p, test_p = fs_protocol.standardize(pixels(dataset.train_x), pixels(dataset.test_x))
+    out.update(protocol_metrics(config, train_p, test_p, dataset))
+  if config.finetune != 'none':
+    out.update(_finetune_encoder(config, fs_finetune.Pixels(), {'params': {}}, False, dataset))
+  return out
 
 
-# The config values `raw_pixel_metrics` reads (through `protocol_metrics`).
+# The config values `raw_pixel_metrics` reads (through `protocol_metrics`), and with fine-tuning
+# also those of `finetune_metrics`: a run without fine-tuning keeps the key it always had.
 _RAW_PIXEL_KEYS = ('label_fractions', 'label_draws', 'seed', 'knn_k', 'knn_k_small',
                    'knn_temperature')
+_RAW_PIXEL_FINETUNE_KEYS = ('probe', 'finetune', 'finetune_epochs', 'finetune_fractions')
 
 
 def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
@@ -232,7 +262,8 @@ def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
     a = np.ascontiguousarray(a)
     h.update(f'{a.dtype.str}{a.shape}'.encode())
     h.update(memoryview(a).cast('B'))
-  values = {k: config[k] for k in _RAW_PIXEL_KEYS}
+  keys = _RAW_PIXEL_KEYS + (_RAW_PIXEL_FINETUNE_KEYS if config.finetune != 'none' else ())
+  values = {k: config[k] for k in keys}
   h.update(json.dumps(values, sort_keys=True, default=list).encode())
   return h.hexdigest()[:16]
 

@@ -330,8 +330,8 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = Fa
 def references(run: Run, state, start: int, *, reference_cache: str | None = None) -> tuple:
   """(random_init, raw_pixels): the random-init encoder's evaluation (WORKDIR/random_init.json for
   the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
-  the raw-pixel reference row (None unless config.probe = 'logistic', and skipped on the synthetic
-  set). Every process evaluates (on its own copy: no collective), so that all of them reach the
+  the raw-pixel reference row (None unless `experiment.has_raw_pixel_reference`: the logistic
+  probe or fine-tuning, not on the synthetic set). Every process evaluates (on its own copy: no collective), so that all of them reach the
   next round's collectives together; process 0 alone writes."""
   config = run.config
   random_init_path = run.rundir.random_init_file
@@ -350,10 +350,10 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
   run.say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
           f'{_metrics_text(_scalars(random_init))}  {took}')
   raw_pixels = None
-  if config.probe == 'logistic' and config.dataset == 'synthetic':
+  if (config.probe == 'logistic' or config.finetune != 'none') and config.dataset == 'synthetic':
     run.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their '
             'mean image by construction (sources.make_synthetic)')
-  elif config.probe == 'logistic':  # the reference row: the same probe and kNN on the pixels
+  elif experiment.has_raw_pixel_reference(config):  # the same probe, kNN, fine-tuning on pixels
     raw_pixels, took = raw_pixel_reference(config, run.dataset, run.rundir,
                                            reuse=not run.changes, shared_dir=reference_cache,
                                            primary=run.primary)
@@ -609,10 +609,36 @@ def reference_evaluations(config, reference_cache: str | None = None,
   if key not in memo:
     memo[key] = experiment.evaluate(config, algo, state, dataset)
   raw_pixels = None
-  if config.probe == 'logistic' and config.dataset != 'synthetic':  # as a run: `_run`
+  if experiment.has_raw_pixel_reference(config):  # as a run: `references`
     raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
                                         shared_dir=reference_cache)
   return memo[key], raw_pixels
+
+
+def add_raw_pixel_reference(config, rundir: RunDir, reference_cache: str | None = None
+                            ) -> dict | None:
+  """Records the raw-pixel reference in a finished run that lacks it, training nothing: a run of
+  `config` (its config.json) finished before its reference metrics existed (fine-tuning's raw-pixel
+  row came later than the runs of the fine-tuning tables). The row depends on the data and the
+  protocol's settings only, not on the run, so evaluating it now gives what the run would have
+  recorded at round 0 (`raw_pixel_reference`, through the cross-run cache). Writes raw_pixels.json
+  and adds the metrics it lacked to results.json's 'raw_pixels' (every value it had is kept);
+  returns the metrics added, or None when the run had them all or records no raw-pixel reference."""
+  results = rundir.read_results()
+  if results is None:
+    raise ValueError(f'{rundir.path} holds no results.json: only a finished run gets references '
+                     'added (run it, or resume it, instead)')
+  had = results.get('raw_pixels')
+  if not experiment.has_raw_pixel_reference(config) or (
+      had is not None and set(experiment.finetune_keys(config)) <= set(had)):
+    return None  # nothing to add: checked before loading any data
+  dataset = experiment.load_data(config)
+  metrics, _ = raw_pixel_reference(config, dataset, None, reuse=False, shared_dir=reference_cache)
+  had = had or {}
+  added = {k: v for k, v in metrics.items() if k not in had}
+  rundir.write_json(rundir.raw_pixels_file, {**metrics, **had})
+  rundir.write_results({**results, 'raw_pixels': {**had, **added}})
+  return added or None
 
 
 def _reference_lines(keys, random_init: dict, raw_pixels) -> dict:

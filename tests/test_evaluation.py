@@ -161,3 +161,35 @@ def test_evaluate_fine_tunes_each_personal_model():
   got = experiment.evaluate(config, algo, state, dataset)
   assert len(got['ft_acc_10pct_clients']) == 2 and 'ft_acc_1pct' not in got
   assert got['ft_acc_10pct'] == pytest.approx(np.mean(got['ft_acc_10pct_clients']))
+
+
+def test_the_raw_pixel_reference_fine_tunes_the_pixels_on_the_models_labelled_images(monkeypatch):
+  """With config.finetune the reference row also holds the protocol applied to the identity
+  encoder (`finetune.Pixels`): the same labelled subsets, settings and seed as every model."""
+  config = _finetune_config()   # probe 'adam': the row is the fine-tuning alone
+  dataset = experiment.load_data(config)
+  calls = []
+  real = finetune.semi_supervised_finetune
+
+  def recorder(encoder, variables, train_x, train_y, *args, **kw):
+    calls.append((encoder, variables, np.asarray(train_x), kw))
+    return real(encoder, variables, train_x, train_y, *args, **kw)
+
+  monkeypatch.setattr(finetune, 'semi_supervised_finetune', recorder)
+  got = experiment.raw_pixel_metrics(config, dataset)
+  assert sorted(got) == ['ft_acc_10pct', 'ft_acc_1pct'] == sorted(experiment.finetune_keys(config))
+  for fraction, (encoder, variables, x, kw) in zip((0.01, 0.1), calls):
+    assert isinstance(encoder, finetune.Pixels) and variables == {'params': {}}
+    np.testing.assert_array_equal(x, dataset.train_x[evaluation.finetune_subset(config, dataset,
+                                                                                fraction)])
+    assert (kw['lr'], kw['head_lr'], kw['epochs'], kw['seed']) == (1e-3, 0.3, 2, 0)
+  # The synthetic set's classes differ in their mean image: runs skip the row there.
+  assert not experiment.has_raw_pixel_reference(config)
+  for changes, has in ((dict(dataset='fashion_mnist_subset'), True),
+                       (dict(dataset='fashion_mnist_subset', finetune='none'), False),
+                       (dict(dataset='fashion_mnist_subset', finetune='none', probe='logistic'),
+                        True)):
+    c = experiment.default_config()
+    c.update(dict(config.to_dict(), **changes))
+    assert experiment.has_raw_pixel_reference(c) == has, changes
+

@@ -71,6 +71,19 @@ PROTOCOLS: Dict[str, Dict[str, Any]] = {
 }
 
 
+class Pixels(nn.Module):
+  """The identity encoder: normalised images [B, H, W, C] -> their pixels [B, H*W*C], with no
+  parameters (variables {'params': {}}). Fine-tuned by a protocol it is that protocol's linear
+  classifier on the normalised (and augmented) pixels: the raw-pixel reference of the fine-tuning
+  metrics, trained on the same labelled images with the same optimiser, epochs and test epochs as
+  every encoder it is compared with."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    del train  # no BatchNorm, no dropout: the same map in both modes
+    return x.reshape(x.shape[0], -1)
+
+
 def protocol_batch_size(batch_size: Union[int, Mapping[float, int]], fraction: float) -> int:
   """A protocol's batch size at label `fraction`: the int itself, or from a {fraction: batch size}
   mapping the entry of the largest listed fraction <= `fraction` (the smallest one's below them all),

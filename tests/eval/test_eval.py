@@ -356,6 +356,42 @@ def test_semi_supervised_finetune_matches_numpy_reference():
   assert res['final_train_loss'] == pytest.approx(ref_loss, rel=1e-4)
 
 
+def test_pixels_fine_tuned_is_the_protocols_linear_classifier_on_the_pixels():
+  """`finetune.Pixels` (the fine-tuning metrics' raw-pixel reference) has no parameters, so the
+  protocol trains the head alone on the normalised pixels: float64 numpy softmax regression with
+  the same head draw, shuffles, wrapped last batch and Nesterov momentum."""
+  rng = np.random.default_rng(11)
+  train_x, train_y = stripe_images(rng, 10)
+  test_x, test_y = stripe_images(rng, 40)
+  kw = dict(mean=MEAN, std=STD, epochs=3, batch_size=4, lr=0.05, seed=6)  # batches 4 + 4 + (2 + 2)
+  res = ev.semi_supervised_finetune(ev.finetune.Pixels(), {'params': {}}, train_x, train_y, test_x,
+                                    test_y, 4, **kw)
+  assert res['encoder_variables'] == {'params': {}}
+  rng = np.random.default_rng(6)
+  bound = 1 / np.sqrt(16)
+  w = rng.uniform(-bound, bound, (16, 4)).astype(np.float32).astype(np.float64)
+  b = rng.uniform(-bound, bound, (4,)).astype(np.float32).astype(np.float64)
+  norm = lambda x: ((x.astype(np.float64) / 255.0 - MEAN[0]) / STD[0]).reshape(len(x), -1)
+  x, n = norm(train_x), len(train_y)
+  buf_w, buf_b = np.zeros_like(w), np.zeros_like(b)
+  for _ in range(3):
+    perm = rng.permutation(n)
+    for first in range(0, n, 4):
+      slots = np.arange(first, first + 4)
+      idx, m = perm[slots % n], (slots < n).astype(np.float64)
+      logits = x[idx] @ w + b
+      prob = np.exp(logits - logits.max(1, keepdims=True))
+      prob /= prob.sum(1, keepdims=True)
+      d = (prob - np.eye(4)[train_y[idx]]) * (m / m.sum())[:, None]
+      grads = (x[idx].T @ d, d.sum(0))
+      buf_w, buf_b = 0.9 * buf_w + grads[0], 0.9 * buf_b + grads[1]
+      w, b = w - 0.05 * (grads[0] + 0.9 * buf_w), b - 0.05 * (grads[1] + 0.9 * buf_b)
+  # float32 against float64 over 9 steps on inputs of magnitude <= 2 / 0.2 = 10.
+  np.testing.assert_allclose(res['head']['kernel'], w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(res['head']['bias'], b, rtol=1e-5, atol=1e-6)
+  assert res['test_acc'] == pytest.approx(np.mean(np.argmax(norm(test_x) @ w + b, 1) == test_y))
+
+
 def test_fedu2_preset_moves_the_head_at_0p3_and_the_encoder_at_1e_3():
   settings = ev.finetune.protocol_settings('fedu2', 0.01, epochs=1)
   assert settings == dict(epochs=1, eval_epochs=(1,), batch_size=128, lr=1e-3, head_lr=0.3, momentum=0.9,

@@ -300,6 +300,46 @@ def test_table_md_records_the_command_as_typed_with_its_overrides(tmp_path):
   assert 'Overrides applied to every cell: `grad_clip_norm=1.0`.' in md
 
 
+def test_recompute_references_adds_the_fine_tuning_raw_pixel_row_to_finished_runs(tmp_path,
+                                                                                   monkeypatch):
+  """Runs of a fine-tuning table that finished before the fine-tuning metrics had a raw-pixel row
+  get it from `--recompute_references` (nothing trained), and the table shows it per seed."""
+  from experiments import reproduce as binary
+  from fedjax_ssl import experiment
+  from fedjax_ssl.run_dir import RunDir
+  path = tmp_path / 'tiny.py'
+  path.write_text(TABLE.replace("c.probe_epochs = 2", "c.probe_epochs = 2\n  c.finetune = "
+                                "'hetero_ssfl'\n  c.finetune_fractions = (0.1,)").replace(
+                                    "metrics=('probe_acc', 'knn_acc')", "metrics=('ft_acc_10pct',)").replace(
+                                    "'knn_acc'): 50.0", "'ft_acc_10pct'): 50.0"))
+  out = tmp_path / 'out'
+  table = reproduce.load_table(str(path), 'quick')
+  runs = [r for r in reproduce.plan_runs(table, [0, 1], ['fedsimclr.iid'])]
+  assert len(runs) == 2
+  for run in runs:   # finished runs of the old code: no 'raw_pixels' in results.json
+    rundir = RunDir(run.workdir(out))
+    rundir.path.mkdir(parents=True)
+    rundir.write_config(run.config)
+    rundir.write_results({'status': 'completed', 'final': {'ft_acc_10pct': 0.5 + run.seed / 10},
+                          'random_init': {'ft_acc_10pct': 0.25}})
+  (out / 'table.csv').write_text(','.join(reproduce.CSV_FIELDS) + '\n')
+  calls = []
+
+  def pixels(config, dataset):
+    calls.append(config.seed)
+    return {'ft_acc_10pct': 0.375 + config.seed / 100}
+  monkeypatch.setattr(experiment, 'raw_pixel_metrics', pixels)
+  monkeypatch.setenv('FEDJAX_SSL_CACHE_DIR', str(tmp_path / 'cache'))
+  binary.recompute_references(str(path), str(out), references=True)
+  assert sorted(calls) == [0, 1]
+  row = _read_csv(out / 'table.csv')[('fedsimclr.iid', 'ft_acc_10pct')]
+  assert (row['values'], row['raw_pixels_values']) == ('50.0000 60.0000', '37.5000 38.5000')
+  # Done once: a second pass evaluates nothing and the table is unchanged.
+  binary.recompute_references(str(path), str(out), references=True)
+  assert sorted(calls) == [0, 1]
+  assert _read_csv(out / 'table.csv')[('fedsimclr.iid', 'ft_acc_10pct')] == row
+
+
 def test_verdict_needs_an_effect_above_twice_the_seed_std():
   v = reproduce.verdict([80.0, 81.0, 82.0], [75.0, 75.5, 76.0])     # effect 5.5, spread 1.0
   assert v['verdict'] == 'confirmed' and v['n'] == 3

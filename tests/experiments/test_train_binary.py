@@ -369,6 +369,19 @@ def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp
   assert key(config, dataset) == key(other, experiment.load_data(other))
   flipped = dataclasses.replace(dataset, test_x=np.ascontiguousarray(dataset.test_x[::-1]))
   assert key(config, dataset) != key(config, flipped)
+  # Fine-tuning's settings are read (and keyed) only when the row fine-tunes: without it a run
+  # keeps the key it always had, whatever finetune_epochs says.
+  variant = lambda **kw: dict(config.to_dict(), **kw)
+  keys = {}
+  for name, values in (('plain', {}), ('epochs', variant(finetune_epochs=3)),
+                       ('fedu2', variant(finetune='fedu2')),
+                       ('fedu2_3', variant(finetune='fedu2', finetune_epochs=3))):
+    c = experiment.default_config()
+    c.update(config.to_dict())
+    c.update(values)
+    keys[name] = key(c, dataset)
+  assert keys['plain'] == keys['epochs'] and len({keys['plain'], keys['fedu2'],
+                                                  keys['fedu2_3']}) == 3
   # The run's own file wins while its config is unchanged (a resume).
   (tmp_path / 'a' / 'raw_pixels.json').write_text(json.dumps({'probe_acc': 0.9}))
   assert reference(config, 'a')[0] == {'probe_acc': 0.9}
@@ -376,6 +389,36 @@ def test_the_raw_pixel_reference_is_shared_by_runs_that_read_the_same_pixels(tmp
   got, took = train.raw_pixel_reference(config, dataset, None, reuse=True, shared_dir=shared)
   assert got == first and 'references' in took and calls == [0, 1, 0, 0]
   assert len(list(shared.iterdir())) == 4
+
+
+def test_a_finished_run_gets_the_raw_pixel_reference_it_lacks_and_nothing_else(tmp_path,
+                                                                                monkeypatch):
+  """`add_raw_pixel_reference` (reproduce --recompute_references): a fine-tuning run that finished
+  before the fine-tuning metrics had a raw-pixel row gets it; its results are otherwise kept."""
+  from fedjax_ssl import training as train
+  config = experiment.default_config()
+  config.update(dict(dataset='fashion_mnist_subset', train_size=300, probe='adam',
+                     finetune='hetero_ssfl', finetune_fractions=(0.1,)))
+  calls = []
+
+  def evaluate(c, d):
+    calls.append(len(d.train_x))
+    return {'ft_acc_10pct': 0.375}
+  monkeypatch.setattr(experiment, 'raw_pixel_metrics', evaluate)
+  rundir = RunDir(tmp_path / 'run')
+  rundir.path.mkdir()
+  with pytest.raises(ValueError, match='holds no results.json: only a finished run'):
+    train.add_raw_pixel_reference(config, rundir)
+  results = {'status': 'completed', 'final': {'ft_acc_10pct': 0.5}, 'random_init': {}}
+  rundir.write_results(results)
+  assert train.add_raw_pixel_reference(config, rundir, str(tmp_path / 'refs')) == {
+      'ft_acc_10pct': 0.375}
+  assert rundir.read_results() == dict(results, raw_pixels={'ft_acc_10pct': 0.375})
+  assert rundir.read_json(rundir.raw_pixels_file) == {'ft_acc_10pct': 0.375} and calls == [300]
+  # Complete now: nothing evaluated, nothing written; nor for a run that records no such row.
+  assert train.add_raw_pixel_reference(config, rundir) is None and calls == [300]
+  config.finetune = 'none'
+  assert train.add_raw_pixel_reference(config, rundir) is None and calls == [300]
 
 
 def test_runs_share_the_random_init_evaluation_and_skip_raw_pixels_on_synthetic(tmp_path, capfd):
