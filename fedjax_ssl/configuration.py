@@ -95,6 +95,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.weight_decay = 5e-4
   c.lr_schedule = 'cosine'        # cosine over rounds | constant
   c.grad_clip_norm = 0.0          # 0 = off
+  # The predictor head's learning rate as a multiple of lr (objectives with a predictor: BYOL,
+  # SimSiam; a faster predictor is one of BYOL's known levers, e.g. DirectPred, Tian et al. 2021).
+  c.predictor_lr_scale = 1.0
   c.reset_optimizer = True        # fresh optimiser state every round
   # Server optimizer on the global model (Reddi et al., ICLR 2021; core/server_opt.py), stepping
   # along global - aggregate: sgd | momentum (FedAvgM) | adam | yogi | adagrad, at server_lr;
@@ -207,6 +210,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_float_range('momentum', config.momentum, 0.0, 1.0, inclusive=(True, False))
   cv.check_float_range('weight_decay', config.weight_decay, 0.0, None)
   cv.check_float_range('grad_clip_norm', config.grad_clip_norm, 0.0, None)
+  cv.check_float_range('predictor_lr_scale', config.predictor_lr_scale, 0.0, None,
+                       inclusive=(False, True))
+  if config.predictor_lr_scale != 1.0 and not ssl.get(config.ssl_method).predictor:
+    raise cv.ConfigError(
+        f'config.predictor_lr_scale = {config.predictor_lr_scale!r} is invalid with ssl_method '
+        f'{config.ssl_method!r}, which has no predictor: keep it at 1.0 (objectives with one: '
+        f"{', '.join(n for n in ssl.names() if ssl.get(n).predictor)})")
   _check_server_optimizer(config)
   cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
                        inclusive=(False, True))

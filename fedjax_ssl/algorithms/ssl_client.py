@@ -299,6 +299,7 @@ def spec_from_config(config: ml_collections.ConfigDict, info: DataInfo, encoder:
   h, w, c = info.image_shape
   tx = optim.make_optimizer(config.optimizer, momentum=config.momentum, nesterov=config.nesterov,
                             weight_decay=config.weight_decay, grad_clip_norm=config.grad_clip_norm)
+  tx = optim.scale_module(tx, 'predictor', config.predictor_lr_scale)
   objective = ssl.get(config.ssl_method)
   return ClientSpec(
       objective=objective, model=model_from_config(config, info.num_classes, encoder), tx=tx,

@@ -39,6 +39,18 @@ def make_optimizer(name: str, *, momentum: float = 0.9, nesterov: bool = False,
   return optax.chain(*parts) if parts else optax.identity()
 
 
+def scale_module(tx: optax.GradientTransformation, module: str, factor: float
+                 ) -> optax.GradientTransformation:
+  """`tx` with the updates of the top-level params entry `module` multiplied by `factor`: that
+  module trains at factor x the round's learning rate, weight decay included (a PyTorch parameter
+  group with lr * factor; for SGD with momentum the same update, the buffer being linear in the
+  gradients). factor 1 returns `tx` itself, so its state keeps its structure."""
+  if factor == 1.0:
+    return tx
+  mask = lambda params: {name: name == module for name in params}
+  return optax.chain(tx, optax.masked(optax.scale(factor), mask))
+
+
 def round_lr(base_lr: float, schedule: str, round_idx, num_rounds: int):
   """Learning rate of round `round_idx` (0-based): constant, or EasyFL's cosine over rounds
   lr_t = base_lr * (1 + cos(pi * t / T)) / 2."""

@@ -351,3 +351,67 @@ def test_byol_ema_schedule_lr_moves_the_target_at_tau_to_the_learning_rate_ratio
   with pytest.raises(ValueError, match=r"ema_schedule = 'lr' needs hparams\['base_lr'\] > 0"):
     ssl_client.ClientSpec(objective='byol', model=None, tx=None, aug=None, mean=(0.5,), std=(0.3,),
                           input_shape=(8, 8, 1), hparams={'ema_schedule': 'lr'})
+
+
+
+def test_scale_module_is_a_parameter_group_at_that_multiple_of_the_rate():
+  """optim.scale_module(tx, 'predictor', k) over SGD (momentum 0.9, weight decay 0.01): three steps
+  of fixed gradients against float64 PyTorch parameter groups (buf <- 0.9 buf + g + wd p,
+  p <- p - lr_group buf), the predictor's group at k * lr, the rest at lr."""
+  rng_np = np.random.default_rng(0)
+  params = {m: {'w': rng_np.normal(size=(3, 2)).astype(np.float32)}
+            for m in ('encoder', 'predictor')}
+  grads = [{m: {'w': rng_np.normal(size=(3, 2)).astype(np.float32)} for m in params}
+           for _ in range(3)]
+  tx = optim.scale_module(optim.make_optimizer('sgd', momentum=0.9, weight_decay=0.01),
+                          'predictor', 4.0)
+  state, p = tx.init(params), params
+  for g in grads:
+    updates, state = tx.update(g, state, p)
+    p = jax.tree_util.tree_map(lambda a, u: a - 0.05 * u, p, updates)
+  for module, rate in (('encoder', 0.05), ('predictor', 0.2)):
+    want, buf = params[module]['w'].astype(np.float64), 0.0
+    for g in grads:
+      buf = 0.9 * buf + g[module]['w'] + 0.01 * want
+      want = want - rate * buf
+    np.testing.assert_allclose(p[module]['w'], want, rtol=1e-5, atol=1e-6, err_msg=module)
+  plain = optim.make_optimizer('sgd', momentum=0.9)
+  assert optim.scale_module(plain, 'predictor', 1.0) is plain   # k = 1: the same program
+
+
+def test_predictor_lr_scale_moves_a_byol_clients_predictor_alone():
+  """config.predictor_lr_scale = k: a BYOL client's first local step moves the predictor k times
+  as far (zero momentum buffer: the step is lr * k * (g + wd p)) and every other module exactly as
+  with k = 1; refused for an objective without a predictor."""
+  config = test_registry._small_config('fedavg', ssl_method='byol', lr=0.2)
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  info = DataInfo.of(dataset)
+  key = jax.random.PRNGKey(0)
+  batch = {'x': jnp.asarray(dataset.train_x[:16]), 'y': jnp.asarray(dataset.train_y[:16])}
+
+  def step(scale):
+    config.predictor_lr_scale = scale
+    spec = ssl_client.spec_from_config(config, info)
+    client = ssl_client.init_client(spec, key)
+    return client['params'], ssl_client.local_step(spec, client, batch, key, None,
+                                                   jnp.float32(0.1))[0]['params']
+
+  start, base = step(1.0)
+  _, fast = step(10.0)
+  assert set(start) >= {'encoder', 'predictor'}
+  for module in start:
+    if module == 'predictor':
+      # Each parameter is rounded to float32 after its step: the differences carry one rounding of
+      # |p| each (half an ulp), and 10 (b - s) ten of them.
+      jax.tree_util.tree_map(
+          lambda s, b, f: np.testing.assert_allclose(
+              f - s, 10 * (b - s), rtol=1e-5,
+              atol=11 * np.finfo(np.float32).eps * float(np.abs(s).max())),
+          start[module], base[module], fast[module])
+    else:
+      jax.tree_util.tree_map(np.testing.assert_array_equal, fast[module], base[module])
+  config.ssl_method, config.predictor_lr_scale = 'simclr', 2.0
+  with pytest.raises(cv.ConfigError, match=r"predictor_lr_scale = 2.0 is invalid with ssl_method "
+                                           r"'simclr', which has no predictor"):
+    experiment.validate_config(config)
