@@ -38,7 +38,8 @@ from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
 from fedjax_ssl.ssl import registry as ssl_registry
 from fedjax_ssl.evaluation import (encoder_features, evaluate, evaluation_key,  # noqa: F401
-                                   finetune_keys, has_raw_pixel_reference, raw_pixel_key, raw_pixel_metrics)
+                                   finetune_keys, has_raw_pixel_reference, raw_pixel_key,
+                                   raw_pixel_metrics)
 
 
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:

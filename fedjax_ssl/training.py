@@ -331,8 +331,9 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
   """(random_init, raw_pixels): the random-init encoder's evaluation (WORKDIR/random_init.json for
   the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
   the raw-pixel reference row (None unless `experiment.has_raw_pixel_reference`: the logistic
-  probe or fine-tuning, not on the synthetic set). Every process evaluates (on its own copy: no collective), so that all of them reach the
-  next round's collectives together; process 0 alone writes."""
+  probe or fine-tuning, not on the synthetic set). Every process evaluates (on its own copy: no
+  collective), so that all of them reach the next round's collectives together; process 0 alone
+  writes."""
   config = run.config
   random_init_path = run.rundir.random_init_file
   if random_init_path.exists() and not run.changes:

@@ -28,7 +28,8 @@ def get_table(scale: str) -> reproduce.Table:
   if scale == 'paper':
     full = table1.get_table('paper')
     return reproduce.Table(
-        name='fedu2_table1_finetune', title='FedU2 Table 1: fine-tuning with 1% / 10% of the labels',
+        name='fedu2_table1_finetune',
+        title='FedU2 Table 1: fine-tuning with 1% / 10% of the labels',
         base=full.base, rows=full.rows, columns=full.columns, metrics=METRICS,
         paper={k: v for k, v in full.paper.items() if k[2] in METRICS}, scale=scale,
         claims=tuple(reproduce.Claim(f'{c.text} ({m})', c.better, c.worse, m)
@@ -40,13 +41,14 @@ def get_table(scale: str) -> reproduce.Table:
   base.probe, base.probe_epochs = 'adam', 0   # fine-tuning only: Table 1 evidence has the probe
   rows = {r: evidence.rows[r] if r in evidence.rows else table1.rows('evidence')[r] for r in ROWS}
   ssl_rows = ROWS[:4]
+  named = (('FT 1%', METRICS[0]), ('FT 10%', METRICS[1]))
   claims = (
       *(reproduce.Claim(f'FedU2-{m} > Fed{m} ({n})', f'FedU2-{m}', f'Fed{m}', metric)
-        for m in ('SimCLR', 'BYOL') for n, metric in (('FT 1%', METRICS[0]), ('FT 10%', METRICS[1]))),
+        for m in ('SimCLR', 'BYOL') for n, metric in named),
       *(reproduce.Claim(f'{r} learns ({n})', r, reproduce.RANDOM_INIT, metric)
-        for r in ssl_rows for n, metric in (('FT 1%', METRICS[0]), ('FT 10%', METRICS[1]))),
+        for r in ssl_rows for n, metric in named),
       *(reproduce.Claim(f'{r} > raw pixels ({n})', r, reproduce.RAW_PIXELS, metric)
-        for r in ssl_rows for n, metric in (('FT 1%', METRICS[0]), ('FT 10%', METRICS[1]))),
+        for r in ssl_rows for n, metric in named),
   )
   return reproduce.Table(
       name='fedu2_table1_finetune',

@@ -19,7 +19,8 @@ quick: Fashion-MNIST (first 10,000 images), 5 clients x 2 classes, the small CNN
   whether each method's fine-tuned encoder beats its random-init encoder fine-tuned alike and the
   raw-pixel row (the protocol's linear classifier on the pixels); 3-8 min a run on one core.
   Expected: none of the papers' claims confirmed at this scale, the raw-pixel row above every
-  method at 1 % of the labels, and the protocol's lr 0.05 sends some 1 % fine-tunes to chance. Results: docs/results/hetero_ssfl/fmnist_quick_finetune/table.md
+  method at 1 % of the labels, and the protocol's lr 0.05 sends some 1 % fine-tunes to chance.
+  Results: docs/results/hetero_ssfl/fmnist_quick_finetune/table.md
   (docs/notes/hetero_ssfl.md#hetero-e13).
 evidence: the clipped evidence setting of mu_sweep.py (hetero_common.evidence_base with gradients
   clipped at norm 1: 20,000 images, 5 clients x 2 classes, 40 rounds), where Hetero-SSFL (SimCLR,
