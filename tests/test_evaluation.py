@@ -165,7 +165,8 @@ def test_evaluate_fine_tunes_each_personal_model():
 
 def test_the_raw_pixel_reference_fine_tunes_the_pixels_on_the_models_labelled_images(monkeypatch):
   """With config.finetune the reference row also holds the protocol applied to the identity
-  encoder (`finetune.Pixels`): the same labelled subsets, settings and seed as every model."""
+  encoder (`finetune.Pixels`): the same labelled subsets, settings and seed as every model, without
+  the protocol's augmentation."""
   config = _finetune_config()   # probe 'adam': the row is the fine-tuning alone
   dataset = experiment.load_data(config)
   calls = []
@@ -183,6 +184,7 @@ def test_the_raw_pixel_reference_fine_tunes_the_pixels_on_the_models_labelled_im
     np.testing.assert_array_equal(x, dataset.train_x[evaluation.finetune_subset(config, dataset,
                                                                                 fraction)])
     assert (kw['lr'], kw['head_lr'], kw['epochs'], kw['seed']) == (1e-3, 0.3, 2, 0)
+    assert kw['augment_fn'] is None   # a linear model on pixels: no crops (EVAL-24)
   # The synthetic set's classes differ in their mean image: runs skip the row there.
   assert not experiment.has_raw_pixel_reference(config)
   for changes, has in ((dict(dataset='fashion_mnist_subset'), True),

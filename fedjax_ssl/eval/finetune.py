@@ -74,9 +74,9 @@ PROTOCOLS: Dict[str, Dict[str, Any]] = {
 class Pixels(nn.Module):
   """The identity encoder: normalised images [B, H, W, C] -> their pixels [B, H*W*C], with no
   parameters (variables {'params': {}}). Fine-tuned by a protocol it is that protocol's linear
-  classifier on the normalised (and augmented) pixels: the raw-pixel reference of the fine-tuning
-  metrics, trained on the same labelled images with the same optimiser, epochs and test epochs as
-  every encoder it is compared with."""
+  classifier on the normalised pixels: the raw-pixel reference of the fine-tuning metrics, trained
+  on the same labelled images with the same optimiser, epochs and test epochs as every encoder it
+  is compared with (`evaluation.raw_pixel_metrics`, which leaves out the protocol's augmentation)."""
 
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
