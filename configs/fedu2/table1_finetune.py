@@ -12,9 +12,12 @@ evidence: Table 1's evidence setting (configs/fedu2/table1.py: first 20,000 Fash
   200) on a stratified 1% / 10% of the labels. Rows: the two base methods FedU2's claim is about
   at this budget, SimCLR (which learns here) and BYOL (which does not), each with FedU2 over it, and
   supervised FedAvg. The random-init encoder fine-tuned the same way is the model trained from
-  scratch on the same labels; the raw-pixel row is the protocol's linear classifier on the pixels.
-  No linear probe (Table 1 evidence has it). About 25 min a run on one core (pre-training 12-16,
-  fine-tuning 6-10). Results: docs/results/fedu2/table1_finetune_fmnist_evidence/table.md.
+  scratch on the same labels; the raw-pixel row is the protocol's linear classifier on the pixels
+  (without its crops, docs/notes/evaluation.md#eval-24). No linear probe (Table 1 evidence has
+  it). 27-36 min a run on a core shared with another run. Expected (seed 0 only so far): FedSimCLR
+  above its from-scratch network and raw pixels at 1 % of the labels, the from-scratch network
+  above every pre-trained one at 10 %. Results: docs/results/fedu2/table1_finetune_fmnist_evidence/
+  table.md.
 """
 from configs.fedu2 import table1
 from fedjax_ssl import reproduce
@@ -60,5 +63,6 @@ def get_table(scale: str) -> reproduce.Table:
              'batch 128, 200 epochs, crop 0.64-1 + flip, tested at epochs 100 and 200, the better '
              'reported; a stratified 1% / 10% of the 20,000 training images, the same images for '
              'every model of a seed. The random-init row is the same network trained from scratch '
-             'on those labels; raw pixels: the protocol\'s linear classifier on the pixels. Not '
-             'comparable to the paper (CIFAR, ResNet-18).'))
+             'on those labels; raw pixels: the protocol\'s linear classifier on the pixels, without '
+             'the crops (a linear model on pixels cannot use them). Not comparable to the paper '
+             '(CIFAR, ResNet-18).'))
