@@ -14,9 +14,9 @@ evidence: Table 1's evidence setting (configs/fedu2/table1.py: first 20,000 Fash
   supervised FedAvg. The random-init encoder fine-tuned the same way is the model trained from
   scratch on the same labels; the raw-pixel row is the protocol's linear classifier on the pixels
   (without its crops, docs/notes/evaluation.md#eval-24). No linear probe (Table 1 evidence has
-  it). 27-36 min a run on a core shared with another run. Expected (seed 0 only so far): FedSimCLR
-  above its from-scratch network and raw pixels at 1 % of the labels, the from-scratch network
-  above every pre-trained one at 10 %. Results: docs/results/fedu2/table1_finetune_fmnist_evidence/
+  it). About 14 min a SimCLR run alone on a core. Expected: FedSimCLR above its from-scratch
+  network at 1 % of the labels, FedU2-SimCLR below FedSimCLR, the from-scratch network level with
+  or above the pre-trained ones at 10 %. Results: docs/results/fedu2/table1_finetune_fmnist_evidence/
   table.md.
 """
 from configs.fedu2 import table1
