@@ -64,10 +64,10 @@ def get_table(scale: str) -> reproduce.Table:
              'batch 128, 200 epochs, crop 0.64-1 + flip, tested at epochs 100 and 200, the better '
              'reported; a stratified 1% / 10% of the 20,000 training images, the same images for '
              'every model of a seed. The random-init row is the same network trained from scratch '
-             'on those labels; raw pixels: the protocol\'s linear classifier on the pixels, without '
-             'the crops (a linear model on pixels cannot use them). Supervised FedAvg pre-trains '
-             'on every client\'s labels, so it is an upper reference, not a competitor. Where it '
-             'falls short: the paper\'s setting (CIFAR, ResNet-18, 100 clients) needs a GPU and '
-             'is not comparable; at this scale, with 10 % of the labels, no self-supervised '
-             'pre-training beats the network trained from scratch, and FedU2 is ahead of its '
-             'base method in no column (docs/notes/fedu2.md#fedu2-e19).'))
+             'on those labels; raw pixels: the protocol\'s linear classifier on the pixels, '
+             'without the crops (a linear model on pixels cannot use them). Supervised FedAvg '
+             'pre-trains on every client\'s labels, so it is an upper reference, not a '
+             'competitor. Where it falls short: the paper\'s setting (CIFAR, ResNet-18, 100 '
+             'clients) needs a GPU and is not comparable; at this scale, with 10 % of the labels, '
+             'no self-supervised pre-training beats the network trained from scratch, and FedU2 '
+             'is ahead of its base method in no column (docs/notes/fedu2.md#fedu2-e19).'))
