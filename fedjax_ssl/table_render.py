@@ -217,8 +217,10 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
   if at_chance:
     lines += ['', '## Values at chance', '',
               f'Left out of their metric\'s mean and verdicts only: a seed whose encoder did not '
-              f'collapse but whose score on one metric is within {COLLAPSE_MARGIN:g} points of '
-              f'chance (an evaluation that failed for that seed, e.g. a diverged fine-tune).', '']
+              f'collapse but whose score on one metric, or its random-init or raw-pixel '
+              f'reference\'s, is within {COLLAPSE_MARGIN:g} points of chance (an evaluation that '
+              f'failed for that seed, e.g. a diverged fine-tune; a failed reference takes the '
+              f'seed\'s trained value out with it, so that both stay paired).', '']
     lines += [f'- `{cell}` {why}' for cell, why in at_chance]
   carried = sorted({e['cell'] for e in summary if e.get('carried')})
   if carried:

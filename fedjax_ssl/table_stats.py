@@ -155,6 +155,9 @@ def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, 
 # rank > 1), keeps some class information and is counted, as a weak seed, not a collapsed one.
 COLLAPSE_MARGIN = 2.0
 COLLAPSE_METRICS = ('probe_acc', 'knn_acc', 'test_acc')
+# Metrics whose random-init reference is at chance by construction, not by failure: a supervised
+# classifier's own test accuracy, whose random init is an untrained head.
+UNTRAINED_REFERENCE_METRICS = ('test_acc',)
 
 
 def collapsed_seeds(entries: Sequence[Dict[str, Any]], num_classes: int
@@ -174,15 +177,27 @@ def collapsed_seeds(entries: Sequence[Dict[str, Any]], num_classes: int
 
 
 def at_chance_values(entry: Dict[str, Any], num_classes: int) -> Dict[int, str]:
-  """{seed: why} of one metric entry's seeds whose value lies within COLLAPSE_MARGIN points of
-  chance: after `collapsed_seeds` took out the seeds whose encoder collapsed, such a value is an
-  evaluation that failed for that seed and metric alone (a fine-tune diverged at 1 % of the labels,
-  a kNN vote of one class), and a mean over it and learning seeds would describe neither."""
+  """{seed: why} of one metric entry's seeds whose value, or whose random-init or raw-pixel
+  reference value, lies within COLLAPSE_MARGIN points of chance: after `collapsed_seeds` took out
+  the seeds whose encoder collapsed, such a value is an evaluation that failed for that seed and
+  metric alone (a fine-tune diverged at 1 % of the labels, a kNN vote of one class), and a mean
+  over it and learning seeds would describe neither. A failed reference takes its seed's trained
+  value out with it, so that a row and its reference stay paired over the same seeds."""
   chance = 100.0 / num_classes
-  return {seed: (f'seed {seed}: {metric_name(entry["metric"])} {value:.2f}, within '
-                 f'{COLLAPSE_MARGIN:g} points of chance ({chance:.2f}); its other metrics keep it')
-          for seed, value in zip(entry['seeds'], entry['values'])
-          if value <= chance + COLLAPSE_MARGIN}
+  name = metric_name(entry['metric'])
+  split = cohort_metric(entry['metric'])
+  metric = split[0] if split else entry['metric']
+  found = {}
+  for key, what in (('random_init_values', 'its random-init encoder\'s '),
+                    ('raw_pixels_values', 'its raw-pixel reference\'s '), ('values', '')):
+    if (len(entry.get(key) or ()) != len(entry['seeds'])
+        or (key != 'values' and metric in UNTRAINED_REFERENCE_METRICS)):
+      continue
+    for seed, value in zip(entry['seeds'], entry[key]):
+      if value <= chance + COLLAPSE_MARGIN:
+        found[seed] = (f'seed {seed}: {what}{name} {value:.2f}, within {COLLAPSE_MARGIN:g} points '
+                       f'of chance ({chance:.2f}); its other metrics keep it')
+  return found
 
 
 def _without_seeds(e: Dict[str, Any], found: Mapping[int, str], field: str) -> Dict[str, Any]:

@@ -14,6 +14,7 @@ import pytest
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import reproduce
+from fedjax_ssl import table_stats
 
 TABLE = textwrap.dedent('''
     from fedjax_ssl import experiment, reproduce
@@ -530,6 +531,36 @@ def _marked_summary(table, tmp_path, probe, knn, knn_init):
         {'final': {'probe_acc': probe[row][run.seed], 'knn_acc': knn[row][run.seed]},
          'random_init': {'probe_acc': 0.5, 'knn_acc': knn_init(run.seed)}}))
   return reproduce.mark_collapsed(table, reproduce.summarize(table, runs, tmp_path))
+
+
+def test_a_reference_value_at_chance_takes_its_seed_out_of_the_metric(tmp_path):
+  """A seed whose random-init reference fails on one metric (its fine-tune diverged: at chance)
+  leaves that metric's entry, trained value included, so that the reference row's mean is never
+  over failed and working evaluations and a 'learns' verdict pairs the same seeds; the seed's other
+  metrics and the other seeds stay."""
+  rows = {'A': dict(ssl_method='simclr')}
+  table = _table(rows=rows, columns={'IID': dict(partition='iid')}, metrics=('probe_acc', 'knn_acc'),
+                 claims=(reproduce.Claim('A learns', 'A', reproduce.RANDOM_INIT, 'knn_acc'),))
+  summary = _marked_summary(table, tmp_path, {'A': (0.80, 0.82, 0.84)}, {'A': (0.70, 0.72, 0.74)},
+                            knn_init=lambda seed: (0.40, 0.1150, 0.44)[seed])
+  by = {e['metric']: e for e in summary}
+  assert by['probe_acc']['seeds'] == [0, 1, 2] and not by['probe_acc']['at_chance']
+  a = by['knn_acc']
+  assert a['seeds'] == [0, 2] and a['collapsed'] == []
+  np.testing.assert_allclose([a['mean'], a['random_init_mean']], [72.0, 42.0], rtol=1e-12)
+  assert a['at_chance'] == ["seed 1: its random-init encoder's kNN (%) 11.50, within 2 points of "
+                           'chance (10.00); its other metrics keep it']
+  md = reproduce.markdown(table, summary, [0, 1, 2])
+  assert '| A learns | IID | kNN (%) | +30.00 |' in md
+
+
+def test_a_classifier_random_init_at_chance_is_not_a_failure():
+  # A supervised classifier's own test accuracy from random init is an untrained head: at chance by
+  # construction, so it marks nothing; the same reference value on a fine-tune metric is a failure.
+  entry = {'seeds': [0, 1], 'values': [80.0, 81.0], 'random_init_values': [10.0, 9.1],
+           'raw_pixels_values': []}
+  assert table_stats.at_chance_values(dict(entry, metric='test_acc'), 10) == {}
+  assert sorted(table_stats.at_chance_values(dict(entry, metric='ft_acc_1pct'), 10)) == [0, 1]
 
 
 def test_collapsed_seeds_are_marked_never_averaged_and_never_paired(tmp_path):
