@@ -188,6 +188,7 @@ def at_chance_values(entry: Dict[str, Any], num_classes: int) -> Dict[int, str]:
   split = cohort_metric(entry['metric'])
   metric = split[0] if split else entry['metric']
   found = {}
+  # The trained value is checked last, so that where it failed too its own reason is the one kept.
   for key, what in (('random_init_values', 'its random-init encoder\'s '),
                     ('raw_pixels_values', 'its raw-pixel reference\'s '), ('values', '')):
     if (len(entry.get(key) or ()) != len(entry['seeds'])
