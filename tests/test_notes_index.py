@@ -59,8 +59,8 @@ def test_build_notes_is_a_short_index():
 
 @pytest.mark.parametrize('path', NOTES, ids=lambda p: p.name)
 def test_every_entry_has_one_line_in_its_topic_index(path):
-  assert not index_problems(path.read_text(encoding='utf-8')), index_problems(
-      path.read_text(encoding='utf-8'))
+  problems = index_problems(path.read_text(encoding='utf-8'))
+  assert not problems, problems
 
 
 def test_every_build_notes_link_lands_on_an_anchor():
