@@ -65,8 +65,10 @@ if __name__ == '__main__':
 import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import os  # noqa: E402
+
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import experiment, run_guard, run_identity, training  # noqa: E402
+from fedjax_ssl import configuration, experiment, run_guard, run_identity, training  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
@@ -109,9 +111,12 @@ def main(argv):
     autotune.check_environment()
   except ValueError as e:  # a cache folder that cannot be written, a bad FEDJAX_SSL_AUTOTUNE
     raise cv.ConfigError(str(e)) from None
+  config = _CONFIG.value
+  if configuration.smoke_requested(os.environ):
+    config = configuration.smoke(config)
   try:
     results = training.train_and_evaluate(
-        _CONFIG.value, _WORKDIR.value, restart=_RESTART.value,
+        config, _WORKDIR.value, restart=_RESTART.value,
         allow_config_change=_ALLOW_CONFIG_CHANGE.value, cache_dir=cache_dir)
   finally:
     if n > 1:

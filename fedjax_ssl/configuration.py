@@ -416,3 +416,40 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
       client_state=config.client_state, dropout_rate=float(config.dropout_rate),
       inject_faults=faults.parse(config.inject_client_faults))
+
+
+# The one switch that shrinks any documented command to a smoke run (what the docs test applies to
+# the blocks that train for minutes or more; docs/notes/harness.md#harness-24). Set to 1, the train
+# binary runs its config through `smoke` and the reproduce binary runs the first cell at the first
+# seed, shrunk likewise.
+SMOKE_ENV = 'FEDJAX_SSL_SMOKE'
+SMOKE_LIMITS = dict(rounds=2, local_epochs=1, train_size=2000, public_size=200)
+# The protocol's probe at full labels only: the 1 % fits at weak penalty run to max_iter on raw
+# pixels, most of a smoke run's time (docs/notes/harness.md#harness-24).
+SMOKE_SETTINGS = dict(label_fractions=(1.0,))
+
+
+def smoke_requested(environ) -> bool:
+  """Whether `environ` (os.environ) asks for smoke runs; a value other than '', '0' or '1' is a
+  ConfigError naming it."""
+  value = environ.get(SMOKE_ENV, '')
+  if value not in ('', '0', '1'):
+    raise cv.ConfigError(f'${SMOKE_ENV} = {value!r} is invalid: set it to 1 (smoke runs) or 0 / '
+                         'unset (the command as configured)')
+  return value == '1'
+
+
+def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of `config` at smoke size: each key of SMOKE_LIMITS lowered to its limit (train_size 0,
+  all examples, counts as above it), everything else as configured, so the smoke run exercises the
+  same data source, model, algorithm, evaluation and files as the full one, with SMOKE_SETTINGS."""
+  small = ml_collections.ConfigDict(config.to_dict())
+  small.update(SMOKE_SETTINGS)
+  for key, limit in SMOKE_LIMITS.items():
+    value = int(small[key])
+    small[key] = limit if (key == 'train_size' and value == 0) else min(value, limit)
+  if small.eval_every:
+    small.eval_every = min(int(small.eval_every), small.rounds)
+  if small.checkpoint_every:
+    small.checkpoint_every = min(int(small.checkpoint_every), small.rounds)
+  return small

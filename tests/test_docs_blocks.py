@@ -1,0 +1,191 @@
+"""Every python and shell block a user copies from the docs runs (tests/docs_blocks.py: the marks).
+
+`run` blocks run as printed (paths under /tmp/ and the placeholder DIR moved into the test's folder)
+and must take between half and twice the time they state; `smoke` blocks run with
+$FEDJAX_SSL_SMOKE=1 within twice their budget; every training command's --workdir must then hold a
+completed results.json. `names` blocks are parsed, and the modules, flags, config keys, files,
+extras and table scales they name must exist; `excerpt` blocks must be lines of their file.
+docs/notes/harness.md#harness-24.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import tomllib
+
+import pytest
+
+from tests import docs_blocks, subprocess_env
+
+BLOCKS = docs_blocks.all_blocks()
+RUNNABLE = [b for b in BLOCKS if b.mode in ('run', 'smoke')]
+CHECKED = [b for b in BLOCKS if b.mode in ('names', 'excerpt')]
+_PYTHONS = ('python', 'python3', '.venv/bin/python')
+
+
+def _trainings(block) -> int:
+  """How many commands of the block train: a python block is one, a shell block counts its
+  train / reproduce / quickstart commands."""
+  if block.language == 'python':
+    return 1
+  return sum(any(w in ('experiments.train', 'experiments.reproduce', 'scripts/quickstart.sh')
+                 for w in words) for words in docs_blocks.commands(block.code))
+
+
+def test_every_block_is_marked_and_states_its_time():
+  assert len(BLOCKS) >= 19, [b.name for b in BLOCKS]  # README, DESIGN and the papers' READMEs
+  problems = []
+  for b in BLOCKS:
+    if b.mode not in docs_blocks.MODES:
+      problems.append(f'{b.name}: mark it <!-- docs-test: {"|".join(docs_blocks.MODES)} ... -->')
+    elif b.mode in ('run', 'smoke') and len(b.stated_seconds()) < _trainings(b):
+      problems.append(f'{b.name}: each command that trains states its time ("# 40 s on 2 CPU '
+                      f'cores" before it): {_trainings(b)} commands, {len(b.stated_seconds())} times')
+    elif b.mode == 'smoke' and b.budget_seconds() is None:
+      problems.append(f'{b.name}: a smoke mark gives its budget, e.g. "smoke 60 s"')
+    elif b.mode == 'names' and not b.argument.startswith('('):
+      problems.append(f'{b.name}: a names mark says why the block is not run: "names (GPU)"')
+    elif b.mode == 'excerpt' and not (docs_blocks.REPO / b.argument).is_file():
+      problems.append(f'{b.name}: excerpt of a file that does not exist: {b.argument}')
+  assert not problems, '\n'.join(problems)
+
+
+def test_marks_are_read():
+  """The parser sees the marks, the times and the budgets of a made-up file."""
+  text = ('intro\n\n<!-- docs-test: smoke 90 s -->\n```bash\n'
+          'python -m experiments.train --config c.py --workdir /tmp/w   # 8.5 min on 2 CPU cores\n'
+          'python -m x   # 2 h on 2 CPU cores, first run\n```\n\n```python\nprint(1)\n```\n'
+          '<!-- docs-test: names (GPU) -->\n  ```sh\n  nvidia-smi\n  ```\n```text\nno\n```\n')
+  path = docs_blocks.REPO / 'tests' / '_docs_blocks_probe.md'
+  try:
+    path.write_text(text)
+    smoke, unmarked, names = docs_blocks.parse(path)
+  finally:
+    path.unlink()
+  assert (smoke.mode, smoke.budget_seconds(), smoke.stated_seconds()) == ('smoke', 90.0, [510.0, 7200.0])
+  assert (unmarked.mode, unmarked.language) == (None, 'python')
+  assert (names.mode, names.argument, names.code, names.language) == ('names', '(GPU)', 'nvidia-smi\n', 'bash')
+  assert docs_blocks.commands('for i in 0 1; do\n  A=1 python -m m --x=$i &\ndone; wait\n') == [
+      ['for', 'i', 'in', '0', '1'], ['do'], ['python', '-m', 'm', '--x=$i'], ['done'], ['wait']]
+
+
+@functools.lru_cache(maxsize=None)
+def _help(module: str) -> str:
+  """`python -m module --helpfull`: every flag the binary defines."""
+  done = subprocess.run([sys.executable, '-m', module, '--helpfull'], cwd=docs_blocks.REPO,
+                        env=subprocess_env.binary_env(), capture_output=True, text=True, timeout=120)
+  return done.stdout + done.stderr
+
+
+def _config_key_exists(key: str) -> bool:
+  from fedjax_ssl import experiment
+  node = experiment.default_config()
+  for part in key.split('.'):
+    if part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def _check_command(words, problems, where):
+  for w in words:
+    path = re.match(r'^((?:configs|scripts|experiments|fedjax_ssl|tests|docs)/[\w./-]+)', w)
+    if path and not (docs_blocks.REPO / path.group(1)).exists():
+      problems.append(f'{where}: {path.group(1)} does not exist')
+  if words[0] == 'bash' and len(words) > 1 and not (docs_blocks.REPO / words[1]).is_file():
+    problems.append(f'{where}: {words[1]} does not exist')
+  if 'pip' in words[0] or words[:3] == ['python', '-m', 'pip']:
+    extras = tomllib.loads((docs_blocks.REPO / 'pyproject.toml').read_text())['project'][
+        'optional-dependencies']
+    for w in words:
+      for extra in re.findall(r"^\.\[(\w+)\]$", w.strip("'\"")):
+        if extra not in extras:
+          problems.append(f'{where}: pyproject.toml has no extra {extra!r}')
+    return
+  if not (words[0] in _PYTHONS or words[0].endswith('/python')) or words[1:2] != ['-m']:
+    return
+  module = words[2]
+  if importlib.util.find_spec(module) is None:
+    problems.append(f'{where}: no module {module}')
+    return
+  flags = dict(docs_blocks.flag_words(words[3:]))
+  for name in flags:
+    if name.startswith(('config.', 'noconfig.')):
+      if not _config_key_exists(name.split('.', 1)[1]):
+        problems.append(f'{where}: no config key {name}')
+    elif module.startswith('experiments.') and not re.search(
+        rf'--(\[no\])?{re.escape(name)}\b', _help(module)):
+      problems.append(f'{where}: {module} has no flag --{name}')
+  if module == 'experiments.reproduce' and flags.get('table'):
+    from fedjax_ssl import reproduce
+    try:
+      reproduce.load_table(flags['table'], flags.get('scale') or 'quick')
+    except Exception as e:  # pylint: disable=broad-except
+      problems.append(f'{where}: {flags["table"]} at scale {flags.get("scale") or "quick"}: {e}')
+
+
+@pytest.mark.parametrize('block', CHECKED, ids=[b.name for b in CHECKED])
+def test_block_names(block):
+  problems = []
+  if block.language == 'python':
+    compile(block.code, block.name, 'exec')
+  else:
+    done = subprocess.run(['bash', '-n', '-c', block.code], capture_output=True, text=True)
+    assert done.returncode == 0, f'{block.name}: {done.stderr}'
+  if block.mode == 'excerpt':
+    # A trailing comment may be the doc's own note on a line.
+    bare = lambda line: line.split('  # ')[0].strip()
+    source = {bare(l) for l in (docs_blocks.REPO / block.argument).read_text().splitlines()}
+    missing = [l for l in block.code.splitlines() if bare(l) and bare(l) not in source]
+    assert not missing, f'{block.name}: not lines of {block.argument}: {missing}'
+  elif block.language == 'bash':
+    for words in docs_blocks.commands(block.code):
+      _check_command(words, problems, block.name)
+  assert not problems, '\n'.join(problems)
+
+
+def _workdirs(script: str):
+  return [pathlib.Path(v) for words in docs_blocks.commands(script)
+          for name, v in docs_blocks.flag_words(words) if name == 'workdir' and v]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('block', RUNNABLE, ids=[b.name for b in RUNNABLE])
+def test_block_runs(block, tmp_path):
+  # A run block compiles as a user's run does (its time is compared with the stated one) and starts
+  # from an empty cache folder, like a first run; a smoke block keeps the session's fast compile and
+  # cache folder (its references and programs shared with the other smoke blocks).
+  env = subprocess_env.binary_env(optimized=block.mode == 'run')
+  env['PATH'] = f'{pathlib.Path(sys.executable).parent}{os.pathsep}{env["PATH"]}'
+  env['WORKDIR'] = str(tmp_path / 'workdir')
+  if block.mode == 'run':
+    env['FEDJAX_SSL_CACHE_DIR'] = str(tmp_path / 'cache')
+    limit = sum(block.stated_seconds())
+  else:
+    env['FEDJAX_SSL_SMOKE'] = '1'
+    limit = block.budget_seconds()
+  code = block.code.replace('/tmp/', f'{tmp_path}/')
+  if block.language == 'python':
+    (tmp_path / 'block.py').write_text(code)
+    argv, cwd = [sys.executable, str(tmp_path / 'block.py')], tmp_path
+  else:
+    code = re.sub(r'(?<![\w/$])DIR\b', str(tmp_path / 'DIR'), code)
+    argv, cwd = ['bash', '-euo', 'pipefail', '-c', code], docs_blocks.REPO
+  start = time.monotonic()
+  done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=max(3 * limit, 120), stdin=subprocess.DEVNULL)
+  seconds = time.monotonic() - start
+  assert done.returncode == 0, f'{block.name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}'
+  for workdir in _workdirs(code):
+    results = json.loads((workdir / 'results.json').read_text())
+    assert results['status'] == 'completed', (block.name, workdir, results['status'])
+  assert seconds <= 2 * limit, f'{block.name}: {seconds:.0f} s, more than twice the {limit:.0f} s stated'
+  if block.mode == 'run':
+    assert seconds >= limit / 2, f'{block.name}: {seconds:.0f} s, under half the {limit:.0f} s stated'
