@@ -16,13 +16,17 @@ Sources (`load_dataset(name, source=...)`):
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
+import importlib.util
+import io
 import os
 import pathlib
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.data.types import Dataset
 
 CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn')
@@ -53,10 +57,18 @@ _IDX_DTYPES = {0x08: np.dtype('u1'), 0x09: np.dtype('i1'), 0x0B: np.dtype('>i2')
                0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
 _GZIP_MAGIC = b'\x1f\x8b'
 _TFDS_READ_CHUNK = 1024
+_DOWNLOAD_RETRIES = 2  # tfds' MAX_RETRIES during a prepare (_tfds_prepare_settings)
+_PIL_MODES = {1: 'L', 3: 'RGB', 4: 'RGBA'}
 _STATS_CHUNK = 1 << 20  # pixels per np.bincount call in channel_stats
 
 _SYNTHETIC_DEFAULTS = dict(num_train=2000, num_test=500, image_shape=(32, 32, 3), num_classes=10,
                            pattern_size=4, amplitude=60.0, noise=40.0)
+
+
+class DataUnavailable(cv.ConfigError):
+  """A dataset that is neither in its data folder nor obtainable here. A ConfigError, so that the
+  binaries print its message as one line (config_validation.run); the message names the dataset,
+  the folder searched and the command that prepares it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,22 +252,160 @@ def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
   return x, y
 
 
+def default_tfds_dir() -> str:
+  """The folder tfds reads and writes when no data_dir is given: $TFDS_DATA_DIR, else
+  ~/tensorflow_datasets (tfds' own default)."""
+  return os.environ.get('TFDS_DATA_DIR') or os.path.expanduser('~/tensorflow_datasets')
+
+
+def prepare_command(name: str, data_dir) -> str:
+  """The command that prepares dataset `name` into `data_dir` on a machine with internet."""
+  return f'python -m experiments.prepare_data --dataset {name} --data_dir {data_dir}'
+
+
+def _tensorflow_missing() -> bool:
+  return importlib.util.find_spec('tensorflow') is None
+
+
+def _encode_png_with_pil(encoder, np_image: np.ndarray) -> bytes:
+  """PNG bytes of uint8 [H, W, C] (C in 1, 3, 4) with PIL: tfds' `_ImageEncoder._encode_image`
+  without TensorFlow. PNG is lossless, so the decoded pixels are those TensorFlow's encoder keeps."""
+  if encoder.encoding_format != 'png':
+    raise ValueError(f'image encoding {encoder.encoding_format!r} needs TensorFlow when preparing a '
+                     "tfds dataset; without it only 'png' is supported")
+  from tensorflow_datasets.core.features import image_feature  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  image_feature._validate_np_array(np_image, shape=encoder.shape,  # pylint: disable=protected-access
+                                   dtype=encoder.np_dtype)
+  if np_image.dtype != np.uint8 or np_image.shape[-1] not in _PIL_MODES:
+    raise ValueError(f'PNG encoding without TensorFlow takes uint8 images with 1, 3 or 4 channels, '
+                     f'got {np_image.dtype} {np_image.shape}')
+  buffer = io.BytesIO()
+  image = np_image[..., 0] if np_image.shape[-1] == 1 else np_image
+  Image.fromarray(image, _PIL_MODES[np_image.shape[-1]]).save(buffer, format='PNG')
+  return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _tfds_prepare_settings():
+  """What tfds 4.9.10's download-and-prepare path needs changed, for the duration of one prepare.
+
+  * Without TensorFlow, images are PNG-encoded with PIL (tfds calls tf.image.encode_png).
+  * Download retries: tfds retries a failed request 10 times with exponential back-off (minutes
+    on an offline machine before the error); _DOWNLOAD_RETRIES keeps a transient failure covered
+    and makes an offline machine fail within seconds.
+  """
+  from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.core.features import image_feature  # pylint: disable=g-import-not-at-top
+  encoder_cls = image_feature._ImageEncoder  # pylint: disable=protected-access
+  saved_retries, saved_encode = downloader.MAX_RETRIES, encoder_cls._encode_image
+  downloader.MAX_RETRIES = _DOWNLOAD_RETRIES
+  if _tensorflow_missing():
+    encoder_cls._encode_image = _encode_png_with_pil
+  try:
+    yield
+  finally:
+    downloader.MAX_RETRIES, encoder_cls._encode_image = saved_retries, saved_encode
+
+
+def _import_error(error: BaseException) -> Optional[ImportError]:
+  """The ImportError of `error`'s chain (tfds wraps errors of its threads in its own), or None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, ImportError):
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _not_prepared(name: str, data_dir) -> Tuple[str, str]:
+  """The two halves of a DataUnavailable message: what is missing where, and what to run."""
+  return (f'dataset {name!r} is not prepared in {data_dir}',
+          f'on a machine with internet run `{prepare_command(name, data_dir)}` and copy that folder '
+          'here (--config.data_dir=FOLDER)')
+
+
+def prepare_tfds(tfds_name: str, data_dir=None, download: bool = True, *, name: Optional[str] = None,
+                 needs_tensorflow: bool = False):
+  """The tfds builder of `tfds_name` with its array_record files in `data_dir`, downloaded and
+  prepared first when they are not there and `download` is True.
+
+  The files are array_record (what `tfds.data_source` reads without TensorFlow): `tfds.data_source`
+  itself prepares TFRecord files whenever a data_dir is given (tfds 4.9.10), which it cannot read.
+  The download comes from the dataset's own URL, never from tfds' GCS mirror (TFRecord files).
+
+  Args:
+    tfds_name: a registered tfds builder name.
+    data_dir: the tfds data folder; None = default_tfds_dir().
+    download: whether a dataset that is not prepared may be downloaded and prepared.
+    name: the dataset's name in this project (messages), default tfds_name.
+    needs_tensorflow: the builder reads its archives with TensorFlow (tf.io.gfile), as tfds' catalog
+      builders of cifar10/100, svhn, mnist and stl10 do: without TensorFlow it is refused before
+      any download.
+
+  Raises:
+    DataUnavailable: (one line) the dataset is not prepared in data_dir and cannot be prepared
+      here; the message names the dataset, the folder and the command to run.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  name = name or tfds_name
+  data_dir = os.fspath(data_dir) if data_dir else default_tfds_dir()
+  builder = tfds.builder(tfds_name, data_dir=data_dir, file_format='array_record')
+  # Without download, reading reports a missing dataset (read_tfds); tfds.testing.mock_data
+  # serves reads of builders that are not prepared.
+  if not download or builder.is_prepared():
+    return builder
+  where, carry = _not_prepared(name, data_dir)
+  if needs_tensorflow and _tensorflow_missing():
+    raise DataUnavailable(
+        f"{where}, and tensorflow-datasets' {tfds_name} builder needs TensorFlow to prepare it "
+        f"(pip install tensorflow-cpu); {carry}")
+  try:
+    with _tfds_prepare_settings():
+      builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  except Exception as e:  # pylint: disable=broad-except  (network, disk, archive: all one line)
+    if _import_error(e) is not None:  # the install lacks a module: a bug to see, not a data problem
+      raise
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise DataUnavailable(f'{where} and could not be downloaded and prepared here '
+                          f'({type(e).__name__}: {reason[:300]}); {carry}') from e
+  return builder
+
+
 def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
-  """Loads a catalog dataset through `tfds.data_source` (no TensorFlow needed).
+  """Loads a catalog dataset through tfds' array_record data sources (no TensorFlow needed to read).
 
   For cifar100 the target is the fine 'label' (100 classes), not 'coarse_label'.
-  `download=True` lets tfds fetch/prepare the dataset into `data_dir` when it is not there yet.
+  `download=True` lets tfds fetch and prepare the dataset into `data_dir` (prepare_tfds) when it
+  is not there yet.
   """
   if name not in CATALOG_NAMES:
     raise ValueError(f'unknown tfds dataset {name!r}; allowed: {CATALOG_NAMES}')
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  builder = prepare_tfds(TFDS_NAMES.get(name, name), data_dir, download, name=name,
+                         needs_tensorflow=True)
+  return read_tfds(builder, name)
+
+
+def read_tfds(builder, name: str) -> Dataset:
+  """The train and test splits of a prepared tfds builder as a Dataset ('image', 'label').
+
+  Raises:
+    DataUnavailable: (one line) the builder's files cannot be opened (not prepared, downloading off).
+  """
   splits = {}
   for split in ('train', 'test'):
-    ds = tfds.data_source(TFDS_NAMES.get(name, name), split=split, data_dir=data_dir,
-                          download=download)
-    features = ds.dataset_info.features
+    try:
+      ds = builder.as_data_source(split=split)
+    except Exception as e:  # pylint: disable=broad-except  (tfds raises several kinds: all one line)
+      where, carry = _not_prepared(name, builder.data_dir_root)
+      raise DataUnavailable(f'{where} ({type(e).__name__} opening split {split!r}: '
+                            f'{str(e).strip().splitlines()[0][:200] if str(e).strip() else ""}); '
+                            f'{carry}') from e
+    features = builder.info.features
     splits[split] = _read_split(ds, features['image'].shape)
-    num_classes = features['label'].num_classes
+  num_classes = builder.info.features['label'].num_classes
   return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes)
 
 
