@@ -20,6 +20,7 @@ import contextlib
 import gzip
 import importlib.util
 import io
+import logging
 import os
 import pathlib
 from typing import Optional, Sequence, Tuple
@@ -29,10 +30,17 @@ import numpy as np
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.data.types import Dataset
 
-CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn')
+CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn', 'stl10',
+                 'stl10_unlabelled')
 # Our name -> the tfds catalog's, where they differ.
-TFDS_NAMES = {'svhn': 'svhn_cropped'}
-NAMES = CATALOG_NAMES + ('synthetic', 'fashion_mnist_subset')
+TFDS_NAMES = {'svhn': 'svhn_cropped', 'stl10_unlabelled': 'stl10'}
+# Catalog datasets whose clients train on the split named here (no labels) instead of 'train'; the
+# labelled train and test splits serve the evaluation.
+UNLABELLED_SPLITS = {'stl10_unlabelled': 'unlabelled'}
+FOLDER_NAMES = ('folder', 'tiny_imagenet')  # fedjax_ssl/data/folders.py; data_dir is required
+# Datasets with one source each, which source='auto' selects.
+SINGLE_SOURCE_NAMES = ('synthetic', 'fashion_mnist_subset') + FOLDER_NAMES
+NAMES = CATALOG_NAMES + SINGLE_SOURCE_NAMES
 SOURCES = ('auto', 'tfds', 'idx')
 IDX_NAMES = ('mnist', 'fashion_mnist')
 
@@ -102,8 +110,9 @@ def channel_stats(x: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
   return tuple(means), tuple(stds)
 
 
-def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Dataset:
-  """Checks dtypes/shapes/label range and attaches the train statistics."""
+def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes, unlabeled_x=None) -> Dataset:
+  """Checks dtypes/shapes/label range and attaches the statistics of the clients' images (train_x,
+  or unlabeled_x when given)."""
   train_x, test_x = np.asarray(train_x), np.asarray(test_x)
   train_y, test_y = np.asarray(train_y, np.int32), np.asarray(test_y, np.int32)
   for split, x, y in (('train', train_x, train_y), ('test', test_x, test_y)):
@@ -117,9 +126,14 @@ def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Datase
   if train_x.shape[1:] != test_x.shape[1:]:
     raise ValueError(f'{name}: train images {train_x.shape[1:]} and test images '
                      f'{test_x.shape[1:]} differ in shape')
-  mean, std = channel_stats(train_x)
+  if unlabeled_x is not None:
+    unlabeled_x = np.asarray(unlabeled_x)
+    if unlabeled_x.dtype != np.uint8 or unlabeled_x.shape[1:] != train_x.shape[1:]:
+      raise ValueError(f'{name} unlabelled images must be uint8 [N, {", ".join(map(str, train_x.shape[1:]))}], '
+                       f'got {unlabeled_x.dtype} {unlabeled_x.shape}')
+  mean, std = channel_stats(train_x if unlabeled_x is None else unlabeled_x)
   return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
-                 num_classes=int(num_classes), mean=mean, std=std)
+                 num_classes=int(num_classes), mean=mean, std=std, unlabeled_x=unlabeled_x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,8 +253,9 @@ def _read_examples(ds, keys: Sequence[int]):
   return [ds[k] for k in keys]
 
 
-def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
-  """All examples of a tfds data source as (uint8 [N, H, W, C], int32 [N]); 'label' is the target."""
+def _read_split(ds, image_shape, labels: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+  """All examples of a tfds data source as (uint8 [N, H, W, C], int32 [N]); 'label' is the target
+  (labels=False: -1 for every example, for a split without labels)."""
   n = len(ds)
   x = np.empty((n,) + tuple(image_shape), np.uint8)
   y = np.empty((n,), np.int32)
@@ -248,7 +263,7 @@ def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
     keys = range(start, min(n, start + _TFDS_READ_CHUNK))
     for i, example in zip(keys, _read_examples(ds, keys)):
       x[i] = example['image']
-      y[i] = example['label']
+      y[i] = example['label'] if labels else -1
   return x, y
 
 
@@ -351,16 +366,25 @@ def prepare_tfds(tfds_name: str, data_dir=None, download: bool = True, *, name: 
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
   name = name or tfds_name
   data_dir = os.fspath(data_dir) if data_dir else default_tfds_dir()
-  builder = tfds.builder(tfds_name, data_dir=data_dir, file_format='array_record')
+  # tfds warns (absl) that a folder not yet prepared has no dataset_info.json: the message below
+  # says it better, so the warning is kept off the console.
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    builder = tfds.builder(tfds_name, data_dir=data_dir, file_format='array_record')
+    prepared = builder.is_prepared()
+  finally:
+    absl_logger.setLevel(level)
   # Without download, reading reports a missing dataset (read_tfds); tfds.testing.mock_data
   # serves reads of builders that are not prepared.
-  if not download or builder.is_prepared():
+  if not download or prepared:
     return builder
   where, carry = _not_prepared(name, data_dir)
   if needs_tensorflow and _tensorflow_missing():
     raise DataUnavailable(
         f"{where}, and tensorflow-datasets' {tfds_name} builder needs TensorFlow to prepare it "
-        f"(pip install tensorflow-cpu); {carry}")
+        f"(pip install tensorflow-cpu where you prepare it); {carry}")
   try:
     with _tfds_prepare_settings():
       builder.download_and_prepare(
@@ -406,7 +430,12 @@ def read_tfds(builder, name: str) -> Dataset:
     features = builder.info.features
     splits[split] = _read_split(ds, features['image'].shape)
   num_classes = builder.info.features['label'].num_classes
-  return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes)
+  unlabelled = None
+  if name in UNLABELLED_SPLITS:
+    ds = builder.as_data_source(split=UNLABELLED_SPLITS[name])
+    unlabelled = _read_split(ds, builder.info.features['image'].shape, labels=False)[0]
+  return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes,
+                       unlabeled_x=unlabelled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,6 +505,20 @@ def _check_kwargs(name, kw, allowed):
                      f'allowed: {sorted(allowed)}')
 
 
+def _load_folder_dataset(name: str, data_dir, kw) -> Dataset:
+  """'folder' or 'tiny_imagenet' from the image folder data_dir (fedjax_ssl/data/folders.py)."""
+  from fedjax_ssl.data import folders  # pylint: disable=g-import-not-at-top  (PIL only here)
+  if not data_dir:
+    raise folders.ImageFolderError(f'dataset {name!r} needs data_dir: the image folder')
+  if name == 'folder':
+    _check_kwargs(name, kw, ('image_size', 'test_fraction'))
+    arrays = folders.load_folder(data_dir, **kw)
+  else:
+    _check_kwargs(name, kw, ('image_size',))
+    arrays = folders.load_tiny_imagenet(data_dir, **kw)
+  return _make_dataset(name, *arrays[:4], num_classes=len(arrays[4]))
+
+
 def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, **kw) -> Dataset:
   """Loads dataset `name` as a `Dataset` (uint8 NHWC images, int32 labels, train mean/std).
 
@@ -484,18 +527,22 @@ def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, 
     source: one of SOURCES (see the module docstring); 'synthetic' and 'fashion_mnist_subset'
       accept only 'auto'.
     data_dir: tfds data directory ('tfds') or directory holding the IDX files ('idx'); for
-      'fashion_mnist_subset', an optional path to the npz file.
+      'fashion_mnist_subset', an optional path to the npz file; for 'folder' and 'tiny_imagenet'
+      (required) the image folder (fedjax_ssl/data/folders.py).
     seed: seed of the synthetic data (other sources are fixed files and ignore it).
     **kw: 'tfds': download (bool). 'synthetic': num_train, num_test, image_shape, num_classes,
-      pattern_size, amplitude, noise.
+      pattern_size, amplitude, noise. 'folder': image_size, test_fraction. 'tiny_imagenet':
+      image_size.
   """
   if name not in NAMES:
     raise ValueError(f'unknown dataset name {name!r}; allowed: {NAMES}')
   if source not in SOURCES:
     raise ValueError(f'unknown source {source!r}; allowed: {SOURCES}')
-  if name in ('synthetic', 'fashion_mnist_subset'):
+  if name in SINGLE_SOURCE_NAMES:
     if source != 'auto':
       raise ValueError(f'dataset {name!r} has a single source; use source="auto", got {source!r}')
+    if name in FOLDER_NAMES:
+      return _load_folder_dataset(name, data_dir, kw)
     if name == 'synthetic':
       _check_kwargs(name, kw, _SYNTHETIC_DEFAULTS)
       return make_synthetic(seed, **kw)
