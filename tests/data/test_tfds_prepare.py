@@ -9,7 +9,9 @@ the builder downloads raw files, and the catalog is refused in one line without 
 """
 import functools
 import http.server
-import os
+import importlib.util
+import io
+import tarfile
 import threading
 
 import numpy as np
@@ -120,3 +122,54 @@ def test_catalog_without_tensorflow_refused_before_download(tmp_path, monkeypatc
                      r'svhn') as e:
     sources.load_dataset('svhn', data_dir=str(tmp_path))
   assert '\n' not in str(e.value)
+
+
+_HAVE_TENSORFLOW = importlib.util.find_spec('tensorflow') is not None
+
+
+def _cifar10_local_builder():
+  """tfds' real Cifar10 builder (its archive layout, tf.io.gfile reader and features) with the URL
+  of the loopback server: its checksum is not registered, so a fake archive is accepted."""
+  from tensorflow_datasets.image_classification import cifar  # pylint: disable=g-import-not-at-top
+
+  class Cifar10LocalTest(cifar.Cifar10):
+    @property
+    def _cifar_info(self):
+      return super()._cifar_info._replace(url=f"{_URL['value']}/cifar-10-binary.tar.gz")
+  return Cifar10LocalTest
+
+
+def _cifar_archive(splits) -> bytes:
+  """A cifar-10-binary.tar.gz: batch files of (label, 3072 CHW bytes) records and the label names."""
+  buffer = io.BytesIO()
+  files = {'batches.meta.txt': '\n'.join(f'class{i}' for i in range(10)).encode()}
+  for name, (x, y) in splits.items():
+    chw = x.transpose(0, 3, 1, 2).reshape(len(x), -1)
+    files[name] = np.concatenate([y[:, None], chw], axis=1).astype(np.uint8).tobytes()
+  with tarfile.open(fileobj=buffer, mode='w:gz') as tar:
+    for name, data in files.items():
+      info = tarfile.TarInfo('cifar-10-batches-bin/' + name)
+      info.size = len(data)
+      tar.addfile(info, io.BytesIO(data))
+  return buffer.getvalue()
+
+
+@pytest.mark.skipif(not _HAVE_TENSORFLOW, reason="tfds' catalog builders and its archive "
+                    'extraction need TensorFlow (DATA-10)')
+def test_real_cifar10_builder_prepares_with_tensorflow(served, tmp_path):
+  """With TensorFlow installed (where a user runs experiments.prepare_data), tfds' own cifar10
+  builder code prepares through prepare_tfds: download, tar.gz extraction, its reader, array_record."""
+  rng = np.random.default_rng(0)
+  splits = {f'data_batch_{i}.bin': (rng.integers(0, 256, (2, 32, 32, 3), dtype=np.uint8),
+                                    np.array([i, 9 - i], np.uint8)) for i in range(1, 6)}
+  splits['test_batch.bin'] = (rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8),
+                              np.array([0, 1, 2], np.uint8))
+  (served / 'cifar-10-binary.tar.gz').write_bytes(_cifar_archive(splits))
+  _cifar10_local_builder()
+  builder = sources.prepare_tfds('cifar10_local_test', tmp_path / 'tfds', needs_tensorflow=True)
+  ds = sources.read_tfds(builder, 'cifar10')
+  assert ds.train_x.shape == (10, 32, 32, 3) and ds.test_x.shape == (3, 32, 32, 3)
+  train = [(x, y) for name, (xs, ys) in splits.items() if name != 'test_batch.bin'
+           for x, y in zip(xs, ys)]
+  assert (sorted((int(y), x.tobytes()) for x, y in train) ==
+          sorted((int(y), x.tobytes()) for x, y in zip(ds.train_x, ds.train_y)))
