@@ -390,7 +390,7 @@ def prepare_tfds(tfds_name: str, data_dir=None, download: bool = True, *, name: 
   if needs_tensorflow and _tensorflow_missing():
     raise DataUnavailable(
         f"{where}, and tensorflow-datasets' {tfds_name} builder needs TensorFlow to prepare it "
-        f"(pip install tensorflow-cpu where you prepare it); {carry}")
+        f"(pip install -e '.[prepare]' where you prepare it); {carry}")
   try:
     with _tfds_prepare_settings():
       builder.download_and_prepare(

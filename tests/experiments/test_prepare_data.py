@@ -41,6 +41,6 @@ def test_train_cifar10_not_prepared_is_one_line(tmp_path):
   assert out.returncode == 1
   assert out.stderr.splitlines() == [
       f"error: dataset 'cifar10' is not prepared in {tmp_path}, and tensorflow-datasets' cifar10 "
-      'builder needs TensorFlow to prepare it (pip install tensorflow-cpu where you prepare it); '
+      "builder needs TensorFlow to prepare it (pip install -e '.[prepare]' where you prepare it); "
       f'on a machine with internet run `python -m experiments.prepare_data --dataset cifar10 '
       f'--data_dir {tmp_path}` and copy that folder here (--config.data_dir=FOLDER)']
