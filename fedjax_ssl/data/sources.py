@@ -1,18 +1,22 @@
-"""Dataset sources: the tensorflow-datasets catalog, local IDX files, a synthetic set and the shipped subset.
+"""Dataset sources: the tensorflow-datasets catalog, local IDX files, image folders, a synthetic set
+and the shipped subset.
 
 Every source returns a `types.Dataset` in the project's conventions: uint8 NHWC images, int32 labels,
-per-channel mean/std of train_x / 255.
+per-channel mean/std of the clients' images / 255.
 
 Sources (`load_dataset(name, source=...)`):
-  'tfds'  `tfds.data_source` (array_record files; works without TensorFlow) for cifar10, cifar100,
-          mnist, fashion_mnist and svhn (tfds 'svhn_cropped': the 32x32 digits, train / test
-          splits, without 'extra').
+  'tfds'  tfds' array_record data sources (read without TensorFlow) for cifar10, cifar100, mnist,
+          fashion_mnist, svhn (tfds 'svhn_cropped': the 32x32 digits, train / test splits, without
+          'extra'), stl10 and stl10_unlabelled (the clients train on STL-10's unlabelled split).
+          A dataset not in data_dir is downloaded and prepared (`prepare_tfds`; tfds needs
+          TensorFlow for that step); what cannot be had is one `DataUnavailable` line.
   'idx'   the original MNIST / Fashion-MNIST IDX files in a directory (gzipped or not). Debian's
           `dataset-fashion-mnist` package installs them in /usr/share/datasets/fashion-mnist, the
           project's real offline default.
   'auto'  mnist / fashion_mnist: 'idx' when the IDX files are found (in data_dir, else in the Debian
-          directory), otherwise 'tfds'. Other catalog names: 'tfds'. 'synthetic' and
-          'fashion_mnist_subset' have a single source each, which 'auto' selects.
+          directory), otherwise 'tfds'. Other catalog names: 'tfds'. 'synthetic',
+          'fashion_mnist_subset', 'folder' and 'tiny_imagenet' (image folders, folders.py) have a
+          single source each, which 'auto' selects.
 """
 from __future__ import annotations
 
