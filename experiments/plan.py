@@ -151,13 +151,15 @@ def balanced_labels(num: int, num_classes: int) -> np.ndarray:
 
 def client_sizes(config: ml_collections.ConfigDict, info: DatasetInfo) -> np.ndarray:
   """int64 [C]: each client's examples under the configured partition of balanced labels (the
-  same draws as `partition.build_fed_data`; only the class counts enter them)."""
-  labels = balanced_labels(config.train_size or info.num_train, info.num_classes)
+  same draws as `partition.build_fed_data`; only the class counts enter them). A dataset whose
+  clients train on unlabelled images (stl10_unlabelled) splits those (IID)."""
+  num_classes = 1 if info.num_unlabeled else info.num_classes
+  labels = balanced_labels(info.num_unlabeled or config.train_size or info.num_train, num_classes)
   _, remaining = partition.carve_public(labels, config.public_size, config.seed)
   kw = {'alpha': config.alpha} if config.partition == 'dirichlet' else (
       {'classes_per_client': config.classes_per_client} if config.partition == 'classes' else {})
   parts = partition.partition(labels[remaining], config.num_clients, config.partition,
-                              seed=config.seed, num_classes=info.num_classes, **kw)
+                              seed=config.seed, num_classes=num_classes, **kw)
   return np.array([len(p) for p in parts], np.int64)
 
 

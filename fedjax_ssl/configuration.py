@@ -58,6 +58,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.dataset = 'fashion_mnist'
   c.data_source = 'auto'          # sources.load_dataset `source`
   c.data_dir = ''                 # '' = the source's default location
+  c.image_size = 0                # folder / tiny_imagenet: resize to S x S on decoding (0 = stored)
+  c.test_fraction = 0.2           # folder without train/ and test/: the test share of each class
   c.train_size = 0                # keep the first k training examples (0 = all; repshare's subsets)
   c.subset_stats = False          # True: normalise with the kept subset's statistics (repshare code)
   c.num_clients = 10
@@ -184,6 +186,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.data_dir, str):
     raise cv.ConfigError(f'config.data_dir = {config.data_dir!r} is invalid: must be a path string '
                          "('' = the source's default location)")
+  cv.check_int_range('image_size', config.image_size, 0, 4096)
+  if config.image_size and config.dataset not in sources.FOLDER_NAMES:
+    raise cv.ConfigError(f'config.image_size = {config.image_size} is invalid for config.dataset = '
+                         f'{config.dataset!r}: only {sources.FOLDER_NAMES} are resized (keep 0)')
+  cv.check_float_range('test_fraction', config.test_fraction, 0.0, 1.0, inclusive=False)
   cv.check_int_range('seed', config.seed, 0, 2**31 - 1)
   cv.check_int_range('num_clients', config.num_clients, 1, 1_000_000)
   cv.check_int_range('clients_per_round', config.clients_per_round, 1, config.num_clients)
@@ -287,7 +294,7 @@ def _check_server_optimizer(config: ml_collections.ConfigDict) -> None:
                            f'{name!r}: only {readers} read it')
 
 
-_ONE_SOURCE = ('synthetic', 'fashion_mnist_subset')
+_ONE_SOURCE = sources.SINGLE_SOURCE_NAMES
 
 
 def _check_data_source(config: ml_collections.ConfigDict) -> None:
@@ -310,6 +317,25 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
           f'{directory} does not hold the IDX files {list(sources.IDX_FILES.values())} (each '
           f'optionally .gz)' + ('; install the Debian package dataset-fashion-mnist or set '
                                 'config.data_dir' if not data_dir else ''))
+  if name in sources.FOLDER_NAMES and not (data_dir and pathlib.Path(data_dir).is_dir()):
+    layout = ('PATH/train/<class>/*.png|jpg and PATH/test/<class>/..., or PATH/<class>/...'
+              if name == 'folder' else 'the released tiny-imagenet-200 folder (train/, val/)')
+    raise cv.ConfigError(f'config.data_dir = {data_dir!r} is invalid for config.dataset = {name!r}: '
+                         f'must be an existing folder holding {layout}')
+  if (name in sources.CATALOG_NAMES and source != 'idx' and data_dir
+      and not pathlib.Path(data_dir).is_dir() and not sources._has_idx_files(data_dir)):  # pylint: disable=protected-access
+    raise cv.ConfigError(
+        f'config.data_dir = {data_dir!r} is invalid for config.dataset = {name!r}: no such folder; '
+        f'give the folder `{sources.prepare_command(name, "FOLDER")}` prepared (copied here from '
+        "a machine with internet), or '' for the tfds default")
+  if name in sources.UNLABELLED_SPLITS:
+    if config.partition != 'iid':
+      raise cv.ConfigError(f'config.partition = {config.partition!r} is invalid for config.dataset '
+                           f"= {name!r}: its clients train on unlabelled images; must be 'iid'")
+    if ssl.get(config.ssl_method).classifier:
+      raise cv.ConfigError(f'config.ssl_method = {config.ssl_method!r} is invalid for '
+                           f'config.dataset = {name!r}: a supervised objective needs labels, and '
+                           f"its clients' images have none (use {name.split('_')[0]!r})")
   if name == 'fashion_mnist_subset' and data_dir and not pathlib.Path(data_dir).is_file():
     raise cv.ConfigError(f'config.data_dir = {data_dir!r} is invalid for config.dataset = '
                          "'fashion_mnist_subset': must be the path of the subset's .npz file "
@@ -318,7 +344,8 @@ def _check_data_source(config: ml_collections.ConfigDict) -> None:
 
 def dataset_info(config: ml_collections.ConfigDict) -> Optional[DatasetInfo]:
   """What is known of the configured dataset before loading it (None where it cannot be known)."""
-  return data_info.dataset_info(config.dataset, config.data_source, config.data_dir)
+  return data_info.dataset_info(config.dataset, config.data_source, config.data_dir,
+                                config.image_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,13 +376,15 @@ def check_data_config(config: ml_collections.ConfigDict, info: DatasetInfo) -> N
                          f'{info.num_train}, the size of {split} (0 = all of it)')
   n = config.train_size or info.num_train
   source = f'config.train_size = {config.train_size}' if config.train_size else f'all of {split}'
-  if config.public_size >= n:
-    raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid: must be < {n}, '
-                         f'the number of training examples ({source})')
-  left = n - config.public_size
-  left_text = (f'{left} training examples ({source}, minus config.public_size = '
+  pool = info.num_unlabeled or n  # the images the clients (and the public set) draw from
+  pool_source = (f'the unlabelled images of {info.name}' if info.num_unlabeled else source)
+  if config.public_size >= pool:
+    raise cv.ConfigError(f'config.public_size = {config.public_size} is invalid: must be < {pool}, '
+                         f'the number of training examples ({pool_source})')
+  left = pool - config.public_size
+  left_text = (f'{left} training examples ({pool_source}, minus config.public_size = '
                f'{config.public_size})' if config.public_size else
-               f'{left} training examples ({source})')
+               f'{left} training examples ({pool_source})')
   # Every client needs examples to train on; the Dirichlet partition redraws until each has at
   # least partition.DEFAULT_MIN_SIZE.
   per_client = partition.DEFAULT_MIN_SIZE if config.partition == 'dirichlet' else 1

@@ -51,8 +51,13 @@ def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
 def load_data(config: ml_collections.ConfigDict) -> Dataset:
   """The configured dataset, in host memory (the first `train_size` training examples if > 0, as
   the representation-sharing code's `load_data(reduced=f)`; the test split stays whole)."""
+  kw = {}
+  if config.dataset in sources.FOLDER_NAMES:
+    kw['image_size'] = config.image_size
+  if config.dataset == 'folder':
+    kw['test_fraction'] = config.test_fraction
   ds = sources.load_dataset(config.dataset, source=config.data_source,
-                            data_dir=config.data_dir or None, seed=config.seed)
+                            data_dir=config.data_dir or None, seed=config.seed, **kw)
   if config.train_size:
     if config.train_size > len(ds.train_y):
       raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: the {ds.name} '
@@ -72,8 +77,14 @@ def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset) -> Tuple
     kw['alpha'] = config.alpha
   elif config.partition == 'classes':
     kw['classes_per_client'] = config.classes_per_client
-  return partition.build_fed_data(dataset, config.num_clients, config.partition, seed=config.seed,
-                                  public_size=config.public_size, **kw)
+  try:
+    return partition.build_fed_data(dataset, config.num_clients, config.partition,
+                                    seed=config.seed, public_size=config.public_size, **kw)
+  except ValueError as e:  # a partition that cannot be drawn: one line, before any compute
+    raise cv.ConfigError(f'config.num_clients = {config.num_clients} with config.partition = '
+                         f'{config.partition!r}' + (f' (alpha = {config.alpha})' if 'alpha' in kw
+                                                    else '') + f' cannot be drawn on '
+                         f'{dataset.name}: {e}') from None
 
 
 def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,

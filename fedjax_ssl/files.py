@@ -71,3 +71,21 @@ def write_json(path: os.PathLike | str, obj: Any, *, indent: int = 2, sort_keys:
                ) -> None:
   """`write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys))`."""
   write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys))
+
+
+def write_stream(path: os.PathLike | str, write: Any) -> None:
+  """Calls `write(f)` on a binary file that becomes `path` atomically (module docstring): large
+  arrays (np.savez) go to disk without a second copy in memory."""
+  path = os.fspath(path)
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise

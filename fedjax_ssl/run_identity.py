@@ -40,6 +40,9 @@ UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
     'sc_mu': lambda c: c.ssl_method != 'sc',
+    # Issue 64's keys: read only by the image-folder datasets (so older runs keep their key).
+    'image_size': lambda c: c.dataset not in ('folder', 'tiny_imagenet'),
+    'test_fraction': lambda c: c.dataset != 'folder',
 }
 
 # Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'

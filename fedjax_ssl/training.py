@@ -118,8 +118,10 @@ def _data_summary(config, dataset) -> str:
                                f'(k={config.classes_per_client})' if config.partition == 'classes'
                                else '')
   public = f', {config.public_size} public' if config.public_size else ''
+  unlabelled = ('' if dataset.unlabeled_x is None else
+                f' (the clients train on {len(dataset.unlabeled_x)} unlabelled images)')
   return (f'{dataset.name}: {len(dataset.train_y)} train / {len(dataset.test_y)} test '
-          f'images{public}; {config.num_clients} clients, {scheme} partition, '
+          f'images{unlabelled}{public}; {config.num_clients} clients, {scheme} partition, '
           f'{config.clients_per_round} per round')
 
 

@@ -12,24 +12,27 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from fedjax_ssl.data import sources
+from fedjax_ssl.data import folders, sources
 from fedjax_ssl.data.types import Dataset
 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-  """What the config checks need to know of a dataset: sizes, image shape, number of classes."""
+  """What the config checks need to know of a dataset: sizes, image shape, number of classes;
+  num_unlabeled > 0: the clients train on that many unlabelled images (`Dataset.unlabeled_x`)."""
   name: str
   num_train: int
   num_test: int
   image_shape: Tuple[int, int, int]
   num_classes: int
+  num_unlabeled: int = 0
 
   @classmethod
   def of(cls, dataset: Dataset) -> 'DatasetInfo':
     """The info of a loaded dataset (after load_data's train_size cut)."""
+    unlabeled = 0 if dataset.unlabeled_x is None else len(dataset.unlabeled_x)
     return cls(dataset.name, len(dataset.train_y), len(dataset.test_y),
-               tuple(int(s) for s in dataset.image_shape), int(dataset.num_classes))
+               tuple(int(s) for s in dataset.image_shape), int(dataset.num_classes), unlabeled)
 
 
 # The tfds catalog splits (tfds.builder(name).info.splits / features; fixed by the datasets' own
@@ -42,6 +45,8 @@ CATALOG_INFO = {
     'mnist': DatasetInfo('mnist', 60_000, 10_000, (28, 28, 1), 10),
     'fashion_mnist': DatasetInfo('fashion_mnist', 60_000, 10_000, (28, 28, 1), 10),
     'svhn': DatasetInfo('svhn', 73_257, 26_032, (32, 32, 3), 10),
+    'stl10': DatasetInfo('stl10', 5_000, 8_000, (96, 96, 3), 10),
+    'stl10_unlabelled': DatasetInfo('stl10_unlabelled', 5_000, 8_000, (96, 96, 3), 10, 100_000),
 }
 
 
@@ -58,13 +63,20 @@ def _npz_shapes(path: pathlib.Path, keys) -> Dict[str, Tuple[int, ...]]:
   return shapes
 
 
-def dataset_info(name: str, source: str = 'auto', data_dir: Optional[str] = None
-                 ) -> Optional[DatasetInfo]:
+def dataset_info(name: str, source: str = 'auto', data_dir: Optional[str] = None,
+                 image_size: int = 0) -> Optional[DatasetInfo]:
   """Sizes and image shape of dataset `name` as `sources.load_dataset(name, source, data_dir)`
   would load it (before a train_size cut), known without loading it: the tfds catalog's constants,
-  the synthetic set's defaults, and the headers of the shipped subset's .npz or of the IDX files.
-  None where the files do not exist or cannot be read (loading then reports the problem)."""
+  the synthetic set's defaults, Tiny-ImageNet's release, and the headers of the shipped subset's
+  .npz or of the IDX files. None where the files do not exist or cannot be read (loading then
+  reports the problem) and for a user's image folder ('folder': known once decoded)."""
   data_dir = data_dir or None
+  if name == 'folder':
+    return None
+  if name == 'tiny_imagenet':
+    size = image_size or folders.TINY_IMAGENET_SIZE
+    return DatasetInfo(name, *folders.TINY_IMAGENET_SPLITS, (size, size, 3),
+                       folders.TINY_IMAGENET_CLASSES)
   try:
     if name == 'synthetic':  # load_data passes no overrides: the defaults of make_synthetic
       d = sources._SYNTHETIC_DEFAULTS  # pylint: disable=protected-access

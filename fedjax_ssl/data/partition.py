@@ -250,6 +250,9 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
   unknown = sorted(set(scheme_kw) - set(_SCHEME_KWARGS))
   if unknown:
     raise ValueError(f'unknown partition keyword(s) {unknown}; allowed: {list(_SCHEME_KWARGS)}')
+  if dataset.unlabeled_x is not None:
+    return _build_unlabelled(dataset, num_clients, scheme, seed=seed, public_size=public_size,
+                             **scheme_kw)
   num_train = dataset.train_y.shape[0]
   _check_int('public_size', public_size, 0, num_train - 1)
   validate_partition_args(num_train - public_size, dataset.num_classes, num_clients, scheme,
@@ -267,6 +270,29 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
   info = dict(histogram=class_histogram(dataset.train_y, indices, dataset.num_classes),
               indices=indices, public_idx=public_idx)
   return fed, info
+
+
+def _build_unlabelled(dataset: Dataset, num_clients: int, scheme: str, *, seed: int,
+                      public_size: int, **scheme_kw) -> Tuple[FedData, Dict]:
+  """build_fed_data for a dataset whose clients train on `unlabeled_x`: an IID split (there are no
+  labels to skew by), labels -1; the histogram has one column (the unlabelled images);
+  info['indices'] index unlabeled_x."""
+  if scheme != 'iid':
+    raise ValueError(f'partition scheme {scheme!r} is invalid for {dataset.name}: its clients train '
+                     'on unlabelled images, which only scheme="iid" can split')
+  count = dataset.unlabeled_x.shape[0]
+  _check_int('public_size', public_size, 0, count - 1)
+  validate_partition_args(count - public_size, 1, num_clients, scheme, **scheme_kw)
+  no_labels = np.zeros(count, np.int64)
+  public_idx, remaining = carve_public(no_labels, public_size, seed)
+  parts = partition(no_labels[remaining], num_clients, scheme, seed=seed, num_classes=1,
+                    **scheme_kw)
+  indices = [remaining[p] for p in parts]
+  public_x = dataset.unlabeled_x[public_idx] if public_size else None
+  fed = FedData.from_clients([dataset.unlabeled_x[idx] for idx in indices],
+                             [np.full(len(idx), -1, np.int32) for idx in indices], public_x)
+  return fed, dict(histogram=class_histogram(no_labels, indices, 1), indices=indices,
+                   public_idx=public_idx)
 
 
 def format_histogram(hist, max_columns: int = 20) -> str:

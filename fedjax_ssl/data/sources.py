@@ -1,34 +1,50 @@
-"""Dataset sources: the tensorflow-datasets catalog, local IDX files, a synthetic set and the shipped subset.
+"""Dataset sources: the tensorflow-datasets catalog, local IDX files, image folders, a synthetic set
+and the shipped subset.
 
 Every source returns a `types.Dataset` in the project's conventions: uint8 NHWC images, int32 labels,
-per-channel mean/std of train_x / 255.
+per-channel mean/std of the clients' images / 255.
 
 Sources (`load_dataset(name, source=...)`):
-  'tfds'  `tfds.data_source` (array_record files; works without TensorFlow) for cifar10, cifar100,
-          mnist, fashion_mnist and svhn (tfds 'svhn_cropped': the 32x32 digits, train / test
-          splits, without 'extra').
+  'tfds'  tfds' array_record data sources (read without TensorFlow) for cifar10, cifar100, mnist,
+          fashion_mnist, svhn (tfds 'svhn_cropped': the 32x32 digits, train / test splits, without
+          'extra'), stl10 and stl10_unlabelled (the clients train on STL-10's unlabelled split).
+          A dataset not in data_dir is downloaded and prepared (`prepare_tfds`; tfds needs
+          TensorFlow for that step); what cannot be had is one `DataUnavailable` line.
   'idx'   the original MNIST / Fashion-MNIST IDX files in a directory (gzipped or not). Debian's
           `dataset-fashion-mnist` package installs them in /usr/share/datasets/fashion-mnist, the
           project's real offline default.
   'auto'  mnist / fashion_mnist: 'idx' when the IDX files are found (in data_dir, else in the Debian
-          directory), otherwise 'tfds'. Other catalog names: 'tfds'. 'synthetic' and
-          'fashion_mnist_subset' have a single source each, which 'auto' selects.
+          directory), otherwise 'tfds'. Other catalog names: 'tfds'. 'synthetic',
+          'fashion_mnist_subset', 'folder' and 'tiny_imagenet' (image folders, folders.py) have a
+          single source each, which 'auto' selects.
 """
 from __future__ import annotations
 
+import contextlib
 import gzip
+import importlib.util
+import io
+import logging
 import os
 import pathlib
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.data.types import Dataset
 
-CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn')
+CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn', 'stl10',
+                 'stl10_unlabelled')
 # Our name -> the tfds catalog's, where they differ.
-TFDS_NAMES = {'svhn': 'svhn_cropped'}
-NAMES = CATALOG_NAMES + ('synthetic', 'fashion_mnist_subset')
+TFDS_NAMES = {'svhn': 'svhn_cropped', 'stl10_unlabelled': 'stl10'}
+# Catalog datasets whose clients train on the split named here (no labels) instead of 'train'; the
+# labelled train and test splits serve the evaluation.
+UNLABELLED_SPLITS = {'stl10_unlabelled': 'unlabelled'}
+FOLDER_NAMES = ('folder', 'tiny_imagenet')  # fedjax_ssl/data/folders.py; data_dir is required
+# Datasets with one source each, which source='auto' selects.
+SINGLE_SOURCE_NAMES = ('synthetic', 'fashion_mnist_subset') + FOLDER_NAMES
+NAMES = CATALOG_NAMES + SINGLE_SOURCE_NAMES
 SOURCES = ('auto', 'tfds', 'idx')
 IDX_NAMES = ('mnist', 'fashion_mnist')
 
@@ -53,10 +69,18 @@ _IDX_DTYPES = {0x08: np.dtype('u1'), 0x09: np.dtype('i1'), 0x0B: np.dtype('>i2')
                0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
 _GZIP_MAGIC = b'\x1f\x8b'
 _TFDS_READ_CHUNK = 1024
+_DOWNLOAD_RETRIES = 2  # tfds' MAX_RETRIES during a prepare (_tfds_prepare_settings)
+_PIL_MODES = {1: 'L', 3: 'RGB', 4: 'RGBA'}
 _STATS_CHUNK = 1 << 20  # pixels per np.bincount call in channel_stats
 
 _SYNTHETIC_DEFAULTS = dict(num_train=2000, num_test=500, image_shape=(32, 32, 3), num_classes=10,
                            pattern_size=4, amplitude=60.0, noise=40.0)
+
+
+class DataUnavailable(cv.ConfigError):
+  """A dataset that is neither in its data folder nor obtainable here. A ConfigError, so that the
+  binaries print its message as one line (config_validation.run); the message names the dataset,
+  the folder searched and the command that prepares it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,8 +114,9 @@ def channel_stats(x: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
   return tuple(means), tuple(stds)
 
 
-def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Dataset:
-  """Checks dtypes/shapes/label range and attaches the train statistics."""
+def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes, unlabeled_x=None) -> Dataset:
+  """Checks dtypes/shapes/label range and attaches the statistics of the clients' images (train_x,
+  or unlabeled_x when given)."""
   train_x, test_x = np.asarray(train_x), np.asarray(test_x)
   train_y, test_y = np.asarray(train_y, np.int32), np.asarray(test_y, np.int32)
   for split, x, y in (('train', train_x, train_y), ('test', test_x, test_y)):
@@ -105,9 +130,14 @@ def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes) -> Datase
   if train_x.shape[1:] != test_x.shape[1:]:
     raise ValueError(f'{name}: train images {train_x.shape[1:]} and test images '
                      f'{test_x.shape[1:]} differ in shape')
-  mean, std = channel_stats(train_x)
+  if unlabeled_x is not None:
+    unlabeled_x = np.asarray(unlabeled_x)
+    if unlabeled_x.dtype != np.uint8 or unlabeled_x.shape[1:] != train_x.shape[1:]:
+      raise ValueError(f'{name} unlabelled images must be uint8 [N, {", ".join(map(str, train_x.shape[1:]))}], '
+                       f'got {unlabeled_x.dtype} {unlabeled_x.shape}')
+  mean, std = channel_stats(train_x if unlabeled_x is None else unlabeled_x)
   return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
-                 num_classes=int(num_classes), mean=mean, std=std)
+                 num_classes=int(num_classes), mean=mean, std=std, unlabeled_x=unlabeled_x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,8 +257,9 @@ def _read_examples(ds, keys: Sequence[int]):
   return [ds[k] for k in keys]
 
 
-def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
-  """All examples of a tfds data source as (uint8 [N, H, W, C], int32 [N]); 'label' is the target."""
+def _read_split(ds, image_shape, labels: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+  """All examples of a tfds data source as (uint8 [N, H, W, C], int32 [N]); 'label' is the target
+  (labels=False: -1 for every example, for a split without labels)."""
   n = len(ds)
   x = np.empty((n,) + tuple(image_shape), np.uint8)
   y = np.empty((n,), np.int32)
@@ -236,27 +267,185 @@ def _read_split(ds, image_shape) -> Tuple[np.ndarray, np.ndarray]:
     keys = range(start, min(n, start + _TFDS_READ_CHUNK))
     for i, example in zip(keys, _read_examples(ds, keys)):
       x[i] = example['image']
-      y[i] = example['label']
+      y[i] = example['label'] if labels else -1
   return x, y
 
 
+def default_tfds_dir() -> str:
+  """The folder tfds reads and writes when no data_dir is given: $TFDS_DATA_DIR, else
+  ~/tensorflow_datasets (tfds' own default)."""
+  return os.environ.get('TFDS_DATA_DIR') or os.path.expanduser('~/tensorflow_datasets')
+
+
+def prepare_command(name: str, data_dir) -> str:
+  """The command that prepares dataset `name` into `data_dir` on a machine with internet."""
+  return f'python -m experiments.prepare_data --dataset {name} --data_dir {data_dir}'
+
+
+def _tensorflow_missing() -> bool:
+  return importlib.util.find_spec('tensorflow') is None
+
+
+def _encode_png_with_pil(encoder, np_image: np.ndarray) -> bytes:
+  """PNG bytes of uint8 [H, W, C] (C in 1, 3, 4) with PIL: tfds' `_ImageEncoder._encode_image`
+  without TensorFlow. PNG is lossless, so the decoded pixels are those TensorFlow's encoder keeps."""
+  if encoder.encoding_format != 'png':
+    raise ValueError(f'image encoding {encoder.encoding_format!r} needs TensorFlow when preparing a '
+                     "tfds dataset; without it only 'png' is supported")
+  from tensorflow_datasets.core.features import image_feature  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  image_feature._validate_np_array(np_image, shape=encoder.shape,  # pylint: disable=protected-access
+                                   dtype=encoder.np_dtype)
+  if np_image.dtype != np.uint8 or np_image.shape[-1] not in _PIL_MODES:
+    raise ValueError(f'PNG encoding without TensorFlow takes uint8 images with 1, 3 or 4 channels, '
+                     f'got {np_image.dtype} {np_image.shape}')
+  buffer = io.BytesIO()
+  image = np_image[..., 0] if np_image.shape[-1] == 1 else np_image
+  Image.fromarray(image, _PIL_MODES[np_image.shape[-1]]).save(buffer, format='PNG')
+  return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _tfds_prepare_settings():
+  """What tfds 4.9.10's download-and-prepare path needs changed, for the duration of one prepare.
+
+  * Without TensorFlow, images are PNG-encoded with PIL (tfds calls tf.image.encode_png).
+  * Download retries: tfds retries a failed request 10 times with exponential back-off (minutes
+    on an offline machine before the error); _DOWNLOAD_RETRIES keeps a transient failure covered
+    and makes an offline machine fail within seconds (2.8 s measured without DNS), and urllib3's
+    warning per retry stays off the console.
+  """
+  from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.core.features import image_feature  # pylint: disable=g-import-not-at-top
+  encoder_cls = image_feature._ImageEncoder  # pylint: disable=protected-access
+  saved_retries, saved_encode = downloader.MAX_RETRIES, encoder_cls._encode_image
+  urllib3_logger = logging.getLogger('urllib3')
+  saved_level = urllib3_logger.level
+  downloader.MAX_RETRIES = _DOWNLOAD_RETRIES
+  # One warning per retry ("Retrying ... after connection broken"): the final error says it once.
+  urllib3_logger.setLevel(logging.ERROR)
+  if _tensorflow_missing():
+    encoder_cls._encode_image = _encode_png_with_pil
+  try:
+    yield
+  finally:
+    downloader.MAX_RETRIES, encoder_cls._encode_image = saved_retries, saved_encode
+    urllib3_logger.setLevel(saved_level)
+
+
+def _import_error(error: BaseException) -> Optional[ImportError]:
+  """The ImportError of `error`'s chain (tfds wraps errors of its threads in its own), or None."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, ImportError):
+      return error
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _not_prepared(name: str, data_dir) -> Tuple[str, str]:
+  """The two halves of a DataUnavailable message: what is missing where, and what to run."""
+  return (f'dataset {name!r} is not prepared in {data_dir}',
+          f'on a machine with internet run `{prepare_command(name, data_dir)}` and copy that folder '
+          'here (--config.data_dir=FOLDER)')
+
+
+def prepare_tfds(tfds_name: str, data_dir=None, download: bool = True, *, name: Optional[str] = None,
+                 needs_tensorflow: bool = False):
+  """The tfds builder of `tfds_name` with its array_record files in `data_dir`, downloaded and
+  prepared first when they are not there and `download` is True.
+
+  The files are array_record (what `tfds.data_source` reads without TensorFlow): `tfds.data_source`
+  itself prepares TFRecord files whenever a data_dir is given (tfds 4.9.10), which it cannot read.
+  The download comes from the dataset's own URL, never from tfds' GCS mirror (TFRecord files).
+
+  Args:
+    tfds_name: a registered tfds builder name.
+    data_dir: the tfds data folder; None = default_tfds_dir().
+    download: whether a dataset that is not prepared may be downloaded and prepared.
+    name: the dataset's name in this project (messages), default tfds_name.
+    needs_tensorflow: the builder reads its archives with TensorFlow (tf.io.gfile), as tfds' catalog
+      builders of cifar10/100, svhn, mnist and stl10 do: without TensorFlow it is refused before
+      any download.
+
+  Raises:
+    DataUnavailable: (one line) the dataset is not prepared in data_dir and cannot be prepared
+      here; the message names the dataset, the folder and the command to run.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  name = name or tfds_name
+  data_dir = os.fspath(data_dir) if data_dir else default_tfds_dir()
+  # tfds warns (absl) that a folder not yet prepared has no dataset_info.json: the message below
+  # says it better, so the warning is kept off the console.
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    builder = tfds.builder(tfds_name, data_dir=data_dir, file_format='array_record')
+    prepared = builder.is_prepared()
+  finally:
+    absl_logger.setLevel(level)
+  # Without download, reading reports a missing dataset (read_tfds); tfds.testing.mock_data
+  # serves reads of builders that are not prepared.
+  if not download or prepared:
+    return builder
+  where, carry = _not_prepared(name, data_dir)
+  if needs_tensorflow and _tensorflow_missing():
+    raise DataUnavailable(
+        f"{where}, and tensorflow-datasets' {tfds_name} builder needs TensorFlow to prepare it "
+        f"(pip install -e '.[prepare]' where you prepare it); {carry}")
+  try:
+    with _tfds_prepare_settings():
+      builder.download_and_prepare(
+          download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  except Exception as e:  # pylint: disable=broad-except  (network, disk, archive: all one line)
+    if _import_error(e) is not None:  # the install lacks a module: a bug to see, not a data problem
+      raise
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise DataUnavailable(f'{where} and could not be downloaded and prepared here '
+                          f'({type(e).__name__}: {reason[:300]}); {carry}') from e
+  return builder
+
+
 def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
-  """Loads a catalog dataset through `tfds.data_source` (no TensorFlow needed).
+  """Loads a catalog dataset through tfds' array_record data sources (no TensorFlow needed to read).
 
   For cifar100 the target is the fine 'label' (100 classes), not 'coarse_label'.
-  `download=True` lets tfds fetch/prepare the dataset into `data_dir` when it is not there yet.
+  `download=True` lets tfds fetch and prepare the dataset into `data_dir` (prepare_tfds) when it
+  is not there yet.
   """
   if name not in CATALOG_NAMES:
     raise ValueError(f'unknown tfds dataset {name!r}; allowed: {CATALOG_NAMES}')
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top  (slow import)
+  builder = prepare_tfds(TFDS_NAMES.get(name, name), data_dir, download, name=name,
+                         needs_tensorflow=True)
+  return read_tfds(builder, name)
+
+
+def read_tfds(builder, name: str) -> Dataset:
+  """The train and test splits of a prepared tfds builder as a Dataset ('image', 'label').
+
+  Raises:
+    DataUnavailable: (one line) the builder's files cannot be opened (not prepared, downloading off).
+  """
   splits = {}
   for split in ('train', 'test'):
-    ds = tfds.data_source(TFDS_NAMES.get(name, name), split=split, data_dir=data_dir,
-                          download=download)
-    features = ds.dataset_info.features
+    try:
+      ds = builder.as_data_source(split=split)
+    except Exception as e:  # pylint: disable=broad-except  (tfds raises several kinds: all one line)
+      where, carry = _not_prepared(name, builder.data_dir_root)
+      raise DataUnavailable(f'{where} ({type(e).__name__} opening split {split!r}: '
+                            f'{str(e).strip().splitlines()[0][:200] if str(e).strip() else ""}); '
+                            f'{carry}') from e
+    features = builder.info.features
     splits[split] = _read_split(ds, features['image'].shape)
-    num_classes = features['label'].num_classes
-  return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes)
+  num_classes = builder.info.features['label'].num_classes
+  unlabelled = None
+  if name in UNLABELLED_SPLITS:
+    ds = builder.as_data_source(split=UNLABELLED_SPLITS[name])
+    unlabelled = _read_split(ds, builder.info.features['image'].shape, labels=False)[0]
+  return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes,
+                       unlabeled_x=unlabelled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +515,20 @@ def _check_kwargs(name, kw, allowed):
                      f'allowed: {sorted(allowed)}')
 
 
+def _load_folder_dataset(name: str, data_dir, kw) -> Dataset:
+  """'folder' or 'tiny_imagenet' from the image folder data_dir (fedjax_ssl/data/folders.py)."""
+  from fedjax_ssl.data import folders  # pylint: disable=g-import-not-at-top  (PIL only here)
+  if not data_dir:
+    raise folders.ImageFolderError(f'dataset {name!r} needs data_dir: the image folder')
+  if name == 'folder':
+    _check_kwargs(name, kw, ('image_size', 'test_fraction'))
+    arrays = folders.load_folder(data_dir, **kw)
+  else:
+    _check_kwargs(name, kw, ('image_size',))
+    arrays = folders.load_tiny_imagenet(data_dir, **kw)
+  return _make_dataset(name, *arrays[:4], num_classes=len(arrays[4]))
+
+
 def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, **kw) -> Dataset:
   """Loads dataset `name` as a `Dataset` (uint8 NHWC images, int32 labels, train mean/std).
 
@@ -334,18 +537,22 @@ def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, 
     source: one of SOURCES (see the module docstring); 'synthetic' and 'fashion_mnist_subset'
       accept only 'auto'.
     data_dir: tfds data directory ('tfds') or directory holding the IDX files ('idx'); for
-      'fashion_mnist_subset', an optional path to the npz file.
+      'fashion_mnist_subset', an optional path to the npz file; for 'folder' and 'tiny_imagenet'
+      (required) the image folder (fedjax_ssl/data/folders.py).
     seed: seed of the synthetic data (other sources are fixed files and ignore it).
     **kw: 'tfds': download (bool). 'synthetic': num_train, num_test, image_shape, num_classes,
-      pattern_size, amplitude, noise.
+      pattern_size, amplitude, noise. 'folder': image_size, test_fraction. 'tiny_imagenet':
+      image_size.
   """
   if name not in NAMES:
     raise ValueError(f'unknown dataset name {name!r}; allowed: {NAMES}')
   if source not in SOURCES:
     raise ValueError(f'unknown source {source!r}; allowed: {SOURCES}')
-  if name in ('synthetic', 'fashion_mnist_subset'):
+  if name in SINGLE_SOURCE_NAMES:
     if source != 'auto':
       raise ValueError(f'dataset {name!r} has a single source; use source="auto", got {source!r}')
+    if name in FOLDER_NAMES:
+      return _load_folder_dataset(name, data_dir, kw)
     if name == 'synthetic':
       _check_kwargs(name, kw, _SYNTHETIC_DEFAULTS)
       return make_synthetic(seed, **kw)

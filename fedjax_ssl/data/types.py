@@ -21,7 +21,11 @@ class Dataset:
     test_x: uint8 [N_test, H, W, C].
     test_y: int32 [N_test].
     num_classes: number of label values (labels lie in [0, num_classes)).
-    mean, std: per-channel statistics of train_x scaled to [0, 1], len C; used by `augment.normalize`.
+    mean, std: per-channel statistics of the clients' images (train_x, or unlabeled_x when given)
+      scaled to [0, 1], len C; used by `augment.normalize`.
+    unlabeled_x: uint8 [U, H, W, C] or None: images without labels that the clients train on
+      instead of train_x (STL-10's unlabelled split); train_x / train_y then serve only the
+      evaluation (probe, kNN memory bank).
   """
   name: str
   train_x: np.ndarray
@@ -31,6 +35,7 @@ class Dataset:
   num_classes: int
   mean: Tuple[float, ...]
   std: Tuple[float, ...]
+  unlabeled_x: Optional[np.ndarray] = None
 
   @property
   def image_shape(self) -> Tuple[int, int, int]:
