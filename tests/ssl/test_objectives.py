@@ -120,7 +120,8 @@ def test_client_spec_takes_an_objective_name_with_its_block_defaults():
   assert spec.hparams == {'temperature': 0.2, 'zero_diagonal': False}
 
 
-SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco', 'swav')
+SWEEP = [(name, objective)
+         for objective in ('vicreg', 'barlow_twins', 'moco', 'swav', 'align_uniform')
          for name in algorithms.names() if name != 'fedprox_simclr'
          if objective in algorithms.registry.accepted_objectives(algorithms.get(name))]
 
@@ -128,6 +129,9 @@ SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco', '
 def test_the_sweep_covers_the_general_algorithms():
   assert {n for n, o in SWEEP if o == 'vicreg'} >= {'fedavg', 'centralized', 'independent', 'fedu2',
                                                      'ldawa'}
+  # Issue 68: every algorithm that needs no predictor, FedDecorr and FedX included, and SSD.
+  assert {n for n, o in SWEEP if o == 'align_uniform'} >= {
+      'fedavg', 'centralized', 'independent', 'fedu2', 'ldawa', 'feddecorr', 'fedx', 'ssd'}
 
 
 @pytest.mark.slow
