@@ -97,10 +97,12 @@ def make(spec: ssl_client.ClientSpec, *, q, d, sc: SSDConfig = SSDConfig(),
   if sc.assign == 'slot' and clients_per_round < 1:
     raise ValueError("ssd.assign = 'slot' needs clients_per_round >= 1")
   base = fedavg.make(spec, byol_target_sync=byol_target_sync, name='ssd', stateless=stateless)
-  q, d = jnp.asarray(q, jnp.float32), jnp.asarray(d, jnp.float32)
+  # Kept in float64 on the host and made constants of the traced step in the default float
+  # dtype (float64 under x64, so that a float64 test sees an orthogonal Q to float64 rounding).
+  q, d = np.asarray(q, np.float64), np.asarray(d, np.float64)
 
   def local_step(client, batch, key, msg, lr):
-    reg = regularizer(sc, q, d[msg[INDEX]])
+    reg = regularizer(sc, jnp.asarray(q), jnp.asarray(d)[msg[INDEX]])
     step_spec = spec if reg is None else dataclasses.replace(
         spec, feature_regularizer=reg, regularized='outputs')
     return ssl_client.local_step(step_spec, client, batch, key, msg, lr)
