@@ -17,6 +17,7 @@ from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import restore_client
 from tests import reference
+from tests.algorithms import test_registry
 from tests.algorithms.test_registry import _small_config
 from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
                                                _data, _float64, _overlay, _persisted, _round_cfg)
@@ -190,3 +191,15 @@ def test_defaults_are_the_codes():
   assert (c.dsr_form, c.basis, c.assign, c.pd_direction) == ('code', 'random_orthogonal',
                                                             'client', 'code')
   experiment.validate_config(_small_config('ssd', proj_out=64, **{'ssd.delta': 0.0}))
+
+
+@pytest.mark.parametrize('assign', ['client', 'slot'])
+def test_a_server_optimizer_steps_ssds_global_model(assign):
+  """SSD keeps FedAvg's global model (slot mode beside the round's cohort): FedAdam steps it, and
+  the evaluated variables are the online network alone."""
+  config = _small_config('ssd', server_optimizer='adam', server_lr=0.01,
+                         **{'ssd.assign': assign})
+  algo, state, metrics = test_registry._one_round(config)
+  assert np.isfinite(metrics['loss']) and int(state.round) == 1
+  variables, per_client = algo.eval_variables(state)
+  assert not per_client and set(variables) == {'params', 'batch_stats'}
