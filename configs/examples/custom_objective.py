@@ -24,8 +24,10 @@ predictor). Only public names of fedjax_ssl are used, and the library is not edi
 The first two take about a minute each on 2 CPU cores; the third is the quickstart's federation
 (LeNet-5) with this objective on the first 20,000 Fashion-MNIST images. The pieces: `loss(hparams, online, target, batch,
 shared)` gets one output dict per view ('z' the projector output, 'h' the backbone features);
-`defaults()` is the objective's config block, `config.align_uniform`; `validate` checks it before
-any compute; `register` makes `config.ssl_method = 'align_uniform'` known to every binary.
+`defaults()` is the objective's config block, `config.my_align_uniform`; `validate` checks it
+before any compute; `register` makes `config.ssl_method = 'my_align_uniform'` known to every
+binary. (The library's own `align_uniform`, the SSD paper's base, is the same loss at alpha = 2;
+this example keeps its own name so that it registers next to it.)
 """
 import jax
 import jax.numpy as jnp
@@ -61,21 +63,21 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def validate(block: ml_collections.ConfigDict) -> None:
-  cv.check_float_range('align_uniform.alpha', block.alpha, 0.0, None, inclusive=(False, True))
-  cv.check_float_range('align_uniform.t', block.t, 0.0, None, inclusive=(False, True))
-  cv.check_float_range('align_uniform.uniform_weight', block.uniform_weight, 0.0, None)
+  cv.check_float_range('my_align_uniform.alpha', block.alpha, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('my_align_uniform.t', block.t, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('my_align_uniform.uniform_weight', block.uniform_weight, 0.0, None)
 
 
 fs.ssl.register(fs.ssl.Objective(
-    name='align_uniform', loss=loss, defaults=defaults, validate=validate,
+    name='my_align_uniform', loss=loss, defaults=defaults, validate=validate,
     doc='alignment + uniformity on the hypersphere (user example)'))
 
 
 def get_config() -> ml_collections.ConfigDict:
   """The quickstart's federation (LeNet-5, 10 clients, Dirichlet 0.5) under FedAvg with this
   objective; the dataset is a flag away (`--config.dataset=synthetic` for a smoke run)."""
-  c = fs.experiment.default_config()   # now holds config.align_uniform
-  c.ssl_method = 'align_uniform'
+  c = fs.experiment.default_config()   # now holds config.my_align_uniform
+  c.ssl_method = 'my_align_uniform'
   c.algorithm = 'fedavg'
   c.dataset = 'fashion_mnist'
   c.encoder = 'lenet5'

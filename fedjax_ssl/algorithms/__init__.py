@@ -14,4 +14,5 @@ from fedjax_ssl.algorithms import fedavg, fedu, fedema, fedu2, fedsc, hetero_ssf
 from fedjax_ssl.algorithms import repshare, fd, independent, feddecorr, ldawa, fedx  # noqa: F401
 from fedjax_ssl.algorithms import fedca  # noqa: F401
 from fedjax_ssl.algorithms import orchestra  # noqa: F401
+from fedjax_ssl.algorithms import ssd  # noqa: F401
 from fedjax_ssl.algorithms.registry import Plan, get, names, register  # noqa: F401

@@ -20,7 +20,7 @@ from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import decorr
 
-METHODS = ('byol', 'simsiam', 'simclr')
+METHODS = ('byol', 'simsiam', 'simclr', 'align_uniform')
 # config value -> the SSLModel output the loss sees (ssl_client.ClientSpec.regularized).
 FEATURES = {'backbone': 'h', 'projector': 'z'}
 
@@ -61,5 +61,5 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 
 registry.register('feddecorr', build, defaults=config_block, validate=validate, methods=METHODS,
-                  methods_note='the SSL methods FedU2 pairs it with; supervised is not wired',
+                  methods_note='the SSL methods FedU2 and SSD pair it with; supervised is not wired',
                   doc='FedAvg + beta * FedDecorr decorrelation loss (Shi et al., ICLR 2023)')

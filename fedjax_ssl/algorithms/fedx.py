@@ -8,7 +8,9 @@ z = projector(encoder(x)), p = predictor(z), views v0, v1 of the batch and a dif
 the same client as relational anchors:
 
   L = L_ssl(v0, v1)                                           local contrastive: NT-Xent(z0, z1; tau)
-                                                              (simclr) or BYOL's loss (byol)
+                                                              (simclr), BYOL's loss (byol) or
+                                                              alignment + uniformity (align_uniform,
+                                                              the SSD paper's FedX baseline)
     + global_weight     * NT-Xent(p0, z1^glob; tau)           global contrastive
     + relational_weight * (JS(p0, p1; z_r^glob; tau, tt)      global relational
                            + JS(z0, z1; z_r; tau, ts))        local relational
@@ -38,7 +40,7 @@ from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import relational
 from fedjax_ssl.ssl import losses
 
-METHODS = ('simclr', 'byol')
+METHODS = ('simclr', 'byol', 'align_uniform')
 # Every module is averaged and broadcast (the code averages the whole state dict).
 SHARED = ('encoder', 'projector', 'predictor')
 # fold_in tag of the anchors' augmentation key inside a step key (the views use the key itself).
@@ -95,6 +97,9 @@ def loss_fn(spec: ssl_client.ClientSpec, fx: FedXConfig, params, client, batch, 
                                     x[:2 * b], with_predictor=False)
     t0, t1 = jnp.split(jax.lax.stop_gradient(t['z']), 2)
     local = losses.byol_loss(p0, p1, t0, t1)
+  elif spec.method == 'align_uniform':  # the SSD paper's FedX row: its base objective locally
+    local = losses.align_uniform(z0, z1, t=spec.hparams['t'],
+                                 uniform_weight=spec.hparams['uniform_weight'])
   else:
     local = losses.nt_xent(z0, z1, fx.temperature)
   terms = {'local': local,
@@ -208,6 +213,7 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
 
 
 registry.register('fedx', build, defaults=config_block, validate=validate, methods=METHODS,
-                  methods_note='the SSL methods FedU2 / FedSC pair it with (FedX-SimCLR, '
-                               'FedX-BYOL); the others are not wired',
+                  methods_note='the SSL methods FedU2 / FedSC / SSD pair it with (FedX-SimCLR, '
+                               'FedX-BYOL, FedX on alignment + uniformity); the others are not '
+                               'wired',
                   doc='FedAvg + local and global relational distillation (Han et al., ECCV 2022)')

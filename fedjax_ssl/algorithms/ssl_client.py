@@ -50,8 +50,9 @@ class ClientSpec:
       loss once per view on the online representation `regularized` (FedU2's lambda_u * FUR,
       FedDecorr's beta * decorrelation). Its keys come from a stream of the step key that the views
       do not use, so a spec without one computes exactly what it did before.
-    regularized: which online output feature_regularizer sees: 'z' the projector output (FUR) or
-      'h' the backbone features (FedDecorr).
+    regularized: which online output feature_regularizer sees: 'z' the projector output (FUR),
+      'h' the backbone features (FedDecorr), or 'outputs' the view's whole output dict {'h', 'z',
+      ...} (SSD's terms, which read both).
   """
   objective: ssl.Objective
   model: nn.Module
@@ -151,7 +152,8 @@ def loss_fn(spec: ClientSpec, params, client, batch, key, shared=None
   for v in views:
     out, bs = apply_train(spec.model, params, bs, v, with_predictor=objective.predictor)
     outputs.append(out)
-  reg = _view_regularizer(spec, [o[spec.regularized] for o in outputs], key)
+  reg = _view_regularizer(
+      spec, [o if spec.regularized == 'outputs' else o[spec.regularized] for o in outputs], key)
   if not objective.target:
     return reg + objective.loss(spec.hparams, outputs, None, batch, shared), (bs, None, None)
   target = client['target']

@@ -25,6 +25,9 @@
   orchestra.py Orchestra's equal-size clustering: `sinkhorn_knopp`, the memory bank (`memory_push`,
                `memory_fill`), `local_clustering`, `global_clustering`, the clustering loss
                (`cluster_loss`) and the rotations of its degeneracy term (`rotate90`)
+  ssd.py       SSD's dimension-scaled regularisation (`dsr_loss`), projector distillation
+               (`distillation_loss`), the per-client scaling vectors (`scaling_vectors`) and the
+               shared basis (`orthogonal_basis`)
 
 Prototypes (representation sharing) arrive with their method.
 """

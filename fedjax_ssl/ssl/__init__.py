@@ -9,6 +9,7 @@ from fedjax_ssl.ssl import vicreg
 from fedjax_ssl.ssl import barlow_twins
 from fedjax_ssl.ssl import moco
 from fedjax_ssl.ssl import swav
+from fedjax_ssl.ssl import align_uniform
 from fedjax_ssl.ssl.losses import byol_loss
 from fedjax_ssl.ssl.losses import cross_entropy_loss
 from fedjax_ssl.ssl.losses import ema_update

@@ -346,3 +346,49 @@ def swav(scores_a: jax.Array, scores_b: jax.Array, *, temperature: float = 0.1,
   def cross(q, s):
     return -jnp.mean(jnp.sum(q * jax.nn.log_softmax(s / temperature, axis=1), axis=1))
   return (cross(q_a, scores_b) + cross(q_b, scores_a)) / 2
+
+
+def uniformity(z: jax.Array, t: float = 2.0) -> jax.Array:
+  """Wang & Isola's uniformity of one batch, over its unique pairs (torch.pdist, the SSD code):
+
+      log mean_{i<j} exp(-t ||ẑ_i - ẑ_j||²),  ẑ = z / ||z||
+
+  Args:
+    z: float [B, d] (B >= 2), normalised here.
+    t: > 0 (the paper's 2).
+  Returns:
+    scalar <= 0 (lower = more uniform).
+  """
+  if jnp.ndim(z) != 2 or jnp.shape(z)[0] < 2:
+    raise ValueError(f'uniformity needs z [B, d] with B >= 2 (pairs of rows); got shape '
+                     f'{jnp.shape(z)}')
+  check_positive('t', t)
+  a = l2_normalize(as_float(z))
+  b = a.shape[0]
+  # Squared distances from the Gram matrix (B² D rather than pdist's B² D memory of differences);
+  # the clamp removes the rounding below 0 of near-identical rows.
+  sq = jnp.sum(a * a, axis=1)
+  d2 = jnp.maximum(sq[:, None] + sq[None, :] - 2.0 * (a @ a.T), 0.0)
+  upper = jnp.triu(jnp.ones((b, b), dtype=bool), k=1)
+  return jax.nn.logsumexp(jnp.where(upper, -t * d2, -jnp.inf)) - jnp.log(b * (b - 1) / 2)
+
+
+def align_uniform(z_a: jax.Array, z_b: jax.Array, *, t: float = 2.0,
+                  uniform_weight: float = 1.0) -> jax.Array:
+  """Alignment + uniformity (Wang & Isola, ICML 2020; "FedAlignUniform" of the SSD paper), as the
+  SSD code's `align_loss` + `uniform_loss`:
+
+      align   = mean_b ||ẑ_a,b - ẑ_b,b||²                      (L2-normalised views)
+      loss    = align + uniform_weight · ½ (uniformity(z_a, t) + uniformity(z_b, t))
+
+  Args:
+    z_a, z_b: float [B, d] projector outputs of the two views (B >= 2).
+    t: uniformity temperature, > 0 (2).
+    uniform_weight: weight of the uniformity term, >= 0 (1).
+  Returns:
+    scalar.
+  """
+  _check_same_2d(('z_a', 'z_b'), z_a, z_b)
+  a, b = l2_normalize(as_float(z_a)), l2_normalize(as_float(z_b))
+  align = jnp.mean(jnp.sum((a - b) ** 2, axis=1))
+  return align + uniform_weight * (uniformity(z_a, t) + uniformity(z_b, t)) / 2

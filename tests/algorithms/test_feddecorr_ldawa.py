@@ -115,7 +115,7 @@ def test_ldawa_server_is_numpy_ldawa_of_the_uploads(size_weights):
                                                     r"invalid: .*did you mean 'backbone'"),
     ('feddecorr', {'ssl_method': 'sc'}, r"config.ssl_method = 'sc' is invalid for algorithm "
                                         r"'feddecorr': must be one of \('byol', 'simsiam', "
-                                        r"'simclr'\)"),
+                                        r"'simclr', 'align_uniform'\)"),
 ])
 def test_bad_values_are_refused(name, overrides, message):
   with pytest.raises(cv.ConfigError, match=message):

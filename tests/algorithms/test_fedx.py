@@ -1,8 +1,8 @@
 """FedX as an algorithm: one step's loss is the sum of its four terms, each recomputed in float64
-numpy from the same views (local NT-Xent or BYOL, global NT-Xent against the frozen global model,
-global and local relational terms against the anchor batch); the global model gets no gradient;
-the relational terms wait for the first anchors; the step keeps its batch as the next anchors; the
-predictor is averaged; and its config checks."""
+numpy from the same views (local NT-Xent, BYOL or alignment + uniformity, global NT-Xent against
+the frozen global model, global and local relational terms against the anchor batch); the global
+model gets no gradient; the relational terms wait for the first anchors; the step keeps its batch
+as the next anchors; the predictor is averaged; and its config checks."""
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from fedjax_ssl.core.algorithm import restore_client
 from fedjax_ssl.data import augment
 from tests.algorithms.test_registry import _small_config
 from tests.ops.test_relational import np_relational_js
+from tests.ssl.test_align_uniform import np_align_uniform
 
 AUG = augment.AugmentConfig(out_size=8, crop_scale=(0.5, 1.0), flip_prob=0.5, jitter_prob=0.0,
                             grayscale_prob=0.0)
@@ -71,7 +72,8 @@ def np_byol(p1, p2, t1, t2):
   return np.mean(2 - 2 * cos(p1, t2)) + np.mean(2 - 2 * cos(p2, t1))
 
 
-@pytest.mark.parametrize('method,perturb', [('simclr', 0.0), ('simclr', 0.3), ('byol', 0.3)])
+@pytest.mark.parametrize('method,perturb', [('simclr', 0.0), ('simclr', 0.3), ('byol', 0.3),
+                                             ('align_uniform', 0.3)])
 def test_one_step_loss_is_the_sum_of_the_four_numpy_terms(method, perturb):
   fx = fedx.FedXConfig(global_weight=0.7, relational_weight=1.3)
   key = jax.random.PRNGKey(5)
@@ -93,14 +95,16 @@ def test_one_step_loss_is_the_sum_of_the_four_numpy_terms(method, perturb):
   z, p, gz = (np.asarray(o['z']), np.asarray(o['p']), np.asarray(g['z']))
   z0, z1, za = z[:B], z[B:2 * B], z[2 * B:]
   p0, p1 = p[:B], p[B:2 * B]
-  want = {'local': (np_byol(p0, p1, np.asarray(t[:B]), np.asarray(t[B:])) if method == 'byol'
-                    else np_nt_xent(z0, z1, 0.1)),
+  local = {'byol': lambda: np_byol(p0, p1, np.asarray(t[:B]), np.asarray(t[B:])),
+           'align_uniform': lambda: np_align_uniform(z0, z1),   # the SSD paper's FedX row
+           'simclr': lambda: np_nt_xent(z0, z1, 0.1)}[method]()
+  want = {'local': local,
           'global': np_nt_xent(p0, gz[B:2 * B], 0.1),
           'rel_global': np_relational_js(p0, p1, gz[2 * B:], 0.1, 0.01),
           'rel_local': np_relational_js(z0, z1, za, 0.1, 0.01)}
   for name, value in want.items():
     assert float(terms[name]) == pytest.approx(value, rel=1e-10), name
-    assert value > 1e-6, name   # no term vanishes by construction
+    assert abs(value) > 1e-6, name   # no term vanishes by construction (align_uniform's is < 0)
   assert float(total) == pytest.approx(
       want['local'] + 0.7 * want['global'] + 1.3 * (want['rel_global'] + want['rel_local']),
       rel=1e-10)

@@ -38,6 +38,8 @@ NEEDS = {
     'fedu': dict(encoder='hetero_cnn'),
     'fedema': dict(encoder='hetero_cnn'),
     # Its cluster counts fit 2 participants x 4 local centroids and a bank of 32 (one batch).
+    # Projector distillation compares the MLP's 128-d features with the projector output.
+    'ssd': {'ssl_method': 'align_uniform', 'proj_out': 128},
     'orchestra': {'orchestra.global_clusters': 8, 'orchestra.local_clusters': 4,
                   'orchestra.memory_size': 32, 'orchestra.projector_dim': 16},
 }

@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from fedjax_ssl import algorithms, configuration, experiment, reproduce
+from fedjax_ssl import algorithms, configuration, experiment, models, reproduce
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import sources
@@ -183,6 +183,10 @@ def _stand_in(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   several architectures rewritten onto as many small ones (SMALL_ENCODERS) with the same counts."""
   small = shrink(config)
   small.update(STAND_IN)
+  if config.algorithm == 'ssd' and config.ssd.delta > 0:
+    # Projector distillation compares the stand-in's features with the projector output.
+    width = models.feature_dim(STAND_IN['encoder'])
+    small.update(dict(proj_out=width, pred_out=width))
   if algorithms.get(config.algorithm).encoders is None:  # a mix's counts fix its clients
     small = _fewer_clients(small, MAX_CLIENTS)
   if config.algorithm == 'hetero_ssfl' and config.hetero_ssfl.mix:

@@ -120,7 +120,8 @@ def test_client_spec_takes_an_objective_name_with_its_block_defaults():
   assert spec.hparams == {'temperature': 0.2, 'zero_diagonal': False}
 
 
-SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco', 'swav')
+SWEEP = [(name, objective)
+         for objective in ('vicreg', 'barlow_twins', 'moco', 'swav', 'align_uniform')
          for name in algorithms.names() if name != 'fedprox_simclr'
          if objective in algorithms.registry.accepted_objectives(algorithms.get(name))]
 
@@ -128,6 +129,9 @@ SWEEP = [(name, objective) for objective in ('vicreg', 'barlow_twins', 'moco', '
 def test_the_sweep_covers_the_general_algorithms():
   assert {n for n, o in SWEEP if o == 'vicreg'} >= {'fedavg', 'centralized', 'independent', 'fedu2',
                                                      'ldawa'}
+  # Issue 68: every algorithm that needs no predictor, FedDecorr and FedX included, and SSD.
+  assert {n for n, o in SWEEP if o == 'align_uniform'} >= {
+      'fedavg', 'centralized', 'independent', 'fedu2', 'ldawa', 'feddecorr', 'fedx', 'ssd'}
 
 
 @pytest.mark.slow
@@ -148,7 +152,7 @@ def test_the_new_objectives_run_a_round_of_every_algorithm_that_takes_them(name,
 
 
 def _load_objective_example():
-  """configs/examples/custom_objective.py as a module (registers 'align_uniform')."""
+  """configs/examples/custom_objective.py as a module (registers 'my_align_uniform')."""
   path = test_registry.REPO / 'configs' / 'examples' / 'custom_objective.py'
   spec = importlib.util.spec_from_file_location('custom_objective_example', path)
   module = importlib.util.module_from_spec(spec)
@@ -173,7 +177,7 @@ def np_align_uniform(z1, z2, alpha, t, weight):
 def test_custom_objective_registers_from_its_own_file_and_trains_under_fedavg_and_fedu2():
   example = _load_objective_example()
   example = _load_objective_example()  # executed twice (absl's config flag, an import): allowed
-  assert 'align_uniform' in ssl.names()
+  assert 'my_align_uniform' in ssl.names()
   configuration.validate_config(example.get_config())
   rng_np = np.random.default_rng(3)
   z1, z2 = rng_np.normal(size=(6, 4)), rng_np.normal(size=(6, 4))
@@ -184,12 +188,12 @@ def test_custom_objective_registers_from_its_own_file_and_trains_under_fedavg_an
     np.testing.assert_allclose(float(got), np_align_uniform(z1, z2, alpha, t, weight), rtol=1e-5,
                                atol=1e-5)
   for name in ('fedavg', 'fedu2'):
-    config = test_registry._small_config(name, ssl_method='align_uniform')
+    config = test_registry._small_config(name, ssl_method='my_align_uniform')
     _, state, metrics = test_registry._one_round(config)
     assert np.isfinite(metrics['loss']) and int(state.round) == 1
-  config = test_registry._small_config('fedema', ssl_method='align_uniform')
+  config = test_registry._small_config('fedema', ssl_method='my_align_uniform')
   with pytest.raises(cv.ConfigError, match="it needs an objective with a predictor, which "
-                                           "'align_uniform' has not"):
+                                           "'my_align_uniform' has not"):
     experiment.validate_config(config)
 
 
