@@ -209,6 +209,7 @@ def validate_centralized(config: ml_collections.ConfigDict, dataset_info=None) -
                          f"'centralized': it must be 1 (all data on one client)")
 
 
-registry.register('fedavg', build, dp=True, doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
+registry.register('fedavg', build, dp=True,
+                  doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
 registry.register('centralized', build_centralized, validate=validate_centralized,
                   doc='one client holding all the data', aggregates=False)

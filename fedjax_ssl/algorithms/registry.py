@@ -189,7 +189,8 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
 
 
 def dp_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the run is user-level DP-FedAvg (`config.dp.enabled`; configs without the block: no)."""
+  """Whether the run is user-level DP-FedAvg (`config.dp.enabled`; a config without the block:
+  no)."""
   return 'dp' in config and bool(config.dp.enabled)
 
 

@@ -345,8 +345,8 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
                        f'from 0 and client ids lie in [0, {num_clients})')
   if cfg.dp is not None and algo is not None and (algo.cohorts or algo.update_reference is None):
     raise ValueError(f'dp is invalid for algorithm {algo.name!r}: DP-FedAvg needs a single-cohort '
-                     'algorithm whose Algorithm declares update_reference (its aggregate a weighted '
-                     'mean of the uploads)')
+                     'algorithm whose Algorithm declares update_reference (its aggregate a '
+                     'weighted mean of the uploads)')
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:

@@ -1,7 +1,7 @@
 """ops/dp_fedavg.py and its engine hook (core/round.py `dp_aggregate`): clipping and the noisy mean
 against float64 numpy loops, the noise std against the formula, epsilon against dp-accounting called
-directly, calibration, the config refusals, and a DP round: its update bounded by the clip, bit-exact
-resume, epsilon in the host metrics."""
+directly, calibration, the config refusals, and a DP round: its update bounded by the clip,
+bit-exact resume, epsilon in the host metrics."""
 import math
 import re
 
@@ -44,7 +44,8 @@ def test_clip_matches_numpy(per_layer, s):
   want = _np_clip(tree, s, per_layer)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-6, atol=1e-7)
-  assert math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in got)) <= s * (1 + 1e-6)
+  norm = math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in got))
+  assert norm <= s * (1 + 1e-6)
 
 
 def test_noise_std_is_noise_multiplier_times_clip_norm():
@@ -69,7 +70,8 @@ def test_noisy_mean_matches_a_per_client_numpy_loop(per_layer):
   present = np.array([True, True, False, False, True])
   key = jax.random.PRNGKey(9)
   dp = dp_fedavg.DpAggregation(s, z, per_layer)
-  got = jax.tree_util.tree_leaves(dp_fedavg.noisy_mean(g, payloads, jnp.asarray(present), key, dp, m))
+  got = jax.tree_util.tree_leaves(
+      dp_fedavg.noisy_mean(g, payloads, jnp.asarray(present), key, dp, m))
   noise = jax.tree_util.tree_leaves(dp_fedavg.gaussian_noise(key, g, z * s))
   total = [np.zeros(np.shape(x)) for x in jax.tree_util.tree_leaves(g)]
   for k in range(m):
@@ -166,3 +168,21 @@ def test_dp_round_is_bounded_by_the_clip_resumes_exactly_and_logs_epsilon(tmp_pa
   _assert_equal(run.rounds(restored, 1), three)
   assert run.algo.host_metrics(three) == {'epsilon': dp_fedavg.epsilon(0.9, 2, 4, 3, 1e-5)}
   assert run.algo.host_metrics(restored)['epsilon'] == dp_fedavg.epsilon(0.9, 2, 4, 2, 1e-5) > 0
+
+
+def test_training_logs_epsilon_every_round_and_the_dp_block(tmp_path):
+  """The binary's loop: epsilon after each round in metrics.jsonl, results.json's 'dp' block with
+  the last round's epsilon (equal to the planned one) and the settings."""
+  import json  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import training  # pylint: disable=g-import-not-at-top
+  config = _dp_config(clip_norm=2.0, target_epsilon=50.0, delta=1e-3)
+  config.update(dict(rounds=2, checkpoint_every=2, knn_k=5))
+  results = training.train_and_evaluate(config, str(tmp_path / 'w'), verbose=False)
+  records = [json.loads(l) for l in (tmp_path / 'w' / 'metrics.jsonl').read_text().splitlines()]
+  z = results['dp']['noise_multiplier']
+  assert [r['epsilon'] for r in records[1:]] == [dp_fedavg.epsilon(z, 2, 4, r, 1e-3)
+                                                 for r in (1, 2)]
+  assert results['dp']['epsilon'] == records[-1]['epsilon'] == results['dp']['planned_epsilon']
+  assert results['dp']['epsilon'] <= 50.0
+  assert {k: results['dp'][k] for k in ('clip_norm', 'delta', 'rounds', 'accountant')} == dict(
+      clip_norm=2.0, delta=1e-3, rounds=2, accountant='rdp')
