@@ -40,6 +40,8 @@ UNUSED_WHEN = {
     'alpha': lambda c: c.partition != 'dirichlet',
     'classes_per_client': lambda c: c.partition != 'classes',
     'sc_mu': lambda c: c.ssl_method != 'sc',
+    # DP-FedAvg off: the block is read by nothing, so runs from before it keep their identity.
+    'dp': lambda c: not ('dp' in c and c.dp.enabled),
 }
 
 # Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'

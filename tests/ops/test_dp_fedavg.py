@@ -186,3 +186,14 @@ def test_training_logs_epsilon_every_round_and_the_dp_block(tmp_path):
   assert results['dp']['epsilon'] <= 50.0
   assert {k: results['dp'][k] for k in ('clip_norm', 'delta', 'rounds', 'accountant')} == dict(
       clip_norm=2.0, delta=1e-3, rounds=2, accountant='rdp')
+
+
+def test_run_identity_ignores_the_block_while_dp_is_off():
+  """Runs from before config.dp keep their identity (resume, caches); an enabled block counts."""
+  import json  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import run_identity  # pylint: disable=g-import-not-at-top
+  config = _small_config('fedavg')
+  config.dp.clip_norm = 3.0
+  assert 'dp' not in json.loads(run_identity.run_key(config))
+  config.dp.enabled = True
+  assert json.loads(run_identity.run_key(config))['dp']['clip_norm'] == 3.0
