@@ -14,6 +14,8 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.core import rng
+from fedjax_ssl.core import round as rd
 from fedjax_ssl.ops import dp_fedavg
 from tests.algorithms.test_registry import _small_config
 from tests.core.test_server_opt import _Run, _assert_equal
@@ -197,3 +199,39 @@ def test_run_identity_ignores_the_block_while_dp_is_off():
   assert 'dp' not in json.loads(run_identity.run_key(config))
   config.dp.enabled = True
   assert json.loads(run_identity.run_key(config))['dp']['clip_norm'] == 3.0
+
+
+def test_vectorised_dp_round_equals_a_per_client_numpy_loop():
+  """The jitted round (participants under 'map') against each participant's round run alone, its
+  upload clipped, summed and noised in float64 numpy with the engine's noise key, over m = 2.
+  Both train the same client program; the float32 rounding of training and aggregation is ~1e-6 of
+  the parameters' scale (tests/core/test_round_equivalence.py's bound)."""
+  s, z = 0.05, 0.7
+  config = _dp_config(clip_norm=s, noise_multiplier=z, per_layer=True)
+  experiment.validate_config(config)
+  run = _Run(config)
+  cfg = experiment.round_config(config)
+  state = run.init()
+  key = rng.round_key(run.run_key, 0)
+  got, _ = run.step(state, run.fed_data, key)
+
+  algo = run.algo
+  ids = [int(i) for i in rd.sample_participants(key, 4, 2)]
+  msg = rd.round_message(algo, state.server, run.fed_data)
+  fn = jax.jit(rd.client_round_fn(algo, cfg))
+  g = jax.tree_util.tree_leaves(algo.update_reference(state.server))
+  total = [np.zeros(np.shape(x)) for x in g]
+  for cid in ids:
+    client = jax.tree_util.tree_map(lambda a, c=cid: a[c], state.clients)
+    _, payload, _ = fn(client, rng.client_key(key, cid), jnp.int32(cid), run.fed_data, msg,
+                       cfg.lr_fn(state.round))
+    delta = [np.asarray(u, np.float64) - np.asarray(r, np.float64)
+             for u, r in zip(jax.tree_util.tree_leaves(payload), g)]
+    total = [t + c for t, c in zip(total, _np_clip(delta, s, True))]
+  noise = jax.tree_util.tree_leaves(dp_fedavg.gaussian_noise(
+      jax.random.fold_in(key, dp_fedavg.NOISE_STREAM), algo.update_reference(state.server), z * s))
+  for out, ref, t, e in zip(jax.tree_util.tree_leaves(algo.update_reference(got.server)), g, total,
+                            noise):
+    want = np.asarray(ref, np.float64) + (t + np.asarray(e, np.float64)) / 2
+    err = float(np.max(np.abs(np.asarray(out, np.float64) - want)))
+    assert err <= 1e-6 * max(1.0, float(np.max(np.abs(want)))), err
