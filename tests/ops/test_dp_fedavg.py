@@ -235,3 +235,24 @@ def test_vectorised_dp_round_equals_a_per_client_numpy_loop():
     want = np.asarray(ref, np.float64) + (t + np.asarray(e, np.float64)) / 2
     err = float(np.max(np.abs(np.asarray(out, np.float64) - want)))
     assert err <= 1e-6 * max(1.0, float(np.max(np.abs(want)))), err
+
+
+def test_a_round_without_present_participants_still_releases_noise_over_m():
+  """Every client's upload of round 1 made non-finite: nobody is present, yet the DP release is
+  g + noise / m (skipping it would depend on all participants' data), and nothing non-finite
+  reaches the model."""
+  s, z = 0.5, 1.0
+  config = _dp_config(clip_norm=s, noise_multiplier=z)
+  config.inject_client_faults = '1:0,1:1,1:2,1:3'
+  experiment.validate_config(config)
+  run = _Run(config)
+  state = run.init()
+  key = rng.round_key(run.run_key, 0)
+  got, metrics = run.step(state, run.fed_data, key)
+  assert float(metrics['failed_clients']) == 2
+  ref = run.algo.update_reference(state.server)
+  noise = dp_fedavg.gaussian_noise(jax.random.fold_in(key, dp_fedavg.NOISE_STREAM), ref, z * s)
+  for out, g, e in zip(*(jax.tree_util.tree_leaves(t) for t in (
+      run.algo.update_reference(got.server), ref, noise))):
+    want = np.asarray(g, np.float64) + np.asarray(e, np.float64) / 2
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0, atol=F32_ATOL)
