@@ -256,3 +256,22 @@ def test_a_round_without_present_participants_still_releases_noise_over_m():
       run.algo.update_reference(got.server), ref, noise))):
     want = np.asarray(g, np.float64) + np.asarray(e, np.float64) / 2
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0, atol=F32_ATOL)
+
+
+def test_a_resume_may_not_change_what_the_ledger_assumes():
+  """Even --allow_config_change: a changed dp key, or the rounds / sampling of a DP run, would
+  count earlier rounds under settings they did not run with. Other changes and non-DP runs pass."""
+  from fedjax_ssl import run_guard  # pylint: disable=g-import-not-at-top
+  stored = _dp_config(noise_multiplier=1.0)
+  for key, value in (('dp.noise_multiplier', 0.5), ('rounds', 3), ('dp.enabled', False)):
+    current = _dp_config(noise_multiplier=1.0)
+    node, leaf = (current.dp, key[3:]) if key.startswith('dp.') else (current, key)
+    node[leaf] = value
+    changes = run_guard.config_changes(stored, current)
+    with pytest.raises(run_guard.RunStateError, match=re.escape('a resume cannot change ')):
+      run_guard.refuse_dp_changes(changes, current.dp.enabled)
+  current = _dp_config(noise_multiplier=1.0)
+  current.lr = 0.5
+  run_guard.refuse_dp_changes(run_guard.config_changes(stored, current), True)
+  plain, longer = _small_config('fedavg'), _small_config('fedavg', rounds=5)
+  run_guard.refuse_dp_changes(run_guard.config_changes(plain, longer), False)
