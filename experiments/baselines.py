@@ -49,7 +49,8 @@ def _loop_prepare_finish(algo: Algorithm, cfg: RoundConfig) -> Tuple[Callable, C
     (new_sel,), (payloads,), screened = rd.screen(cfg, state.round, key, slots, (old,), (new_sel,),
                                                   (payloads,), (losses,))
     server, metrics = rd.aggregate_round(algo, state, server, ids, n_sel, payloads,
-                                         screened.present[0], screened.loss, lr, msg)
+                                         screened.present[0], screened.loss, lr, msg,
+                                         dp=cfg.dp, key=key)
     metrics = dict(metrics, **rd.fault_metrics(cfg, slots, screened))
     clients = jax.tree_util.tree_map(lambda a, b: a.at[ids].set(b), state.clients, new_sel)
     return FedState(clients=clients, server=server, round=state.round + 1), metrics

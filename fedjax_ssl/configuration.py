@@ -32,6 +32,7 @@ from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.data import augment, info as data_info, partition, sources
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl.eval import finetune
+from fedjax_ssl.ops import dp_fedavg
 
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 # The server optimizer's keys and defaults (core/server_opt.py): 'sgd' at server_lr 1 is plain
@@ -106,6 +107,13 @@ def default_config() -> ml_collections.ConfigDict:
   # server_momentum for 'momentum'; server_b1 (first moment), server_b2 (second moment, adam / yogi)
   # and server_eps (tau) for the adaptive three. 'sgd' at server_lr = 1 is plain aggregation.
   c.update(SERVER_OPTIMIZER_DEFAULTS)
+  # User-level DP-FedAvg (ops/dp_fedavg.py) for algorithms registered with dp=True: each update
+  # clipped to clip_norm (flat, or S/sqrt(L) per leaf with per_layer), noise of std
+  # noise_multiplier * clip_norm on the sum, fixed denominator clients_per_round; noise_multiplier
+  # 0 with target_epsilon > 0 calibrates it to the target over `rounds`.
+  c.dp = ml_collections.ConfigDict(dict(enabled=False, clip_norm=1.0, per_layer=False,
+                                        noise_multiplier=0.0, delta=1e-5, target_epsilon=0.0,
+                                        accountant='rdp'))
   c.strategy = 'auto'             # auto | vmap | map | shard
   c.map_chunk_size = 1
   # Under vmap, regroup the participants still training into a batch this many times narrower
@@ -225,6 +233,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f'{config.ssl_method!r}, which has no predictor: keep it at 1.0 (objectives with one: '
         f"{', '.join(n for n in ssl.names() if ssl.get(n).predictor)})")
   _check_server_optimizer(config)
+  _check_dp(config)
   cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
                        inclusive=(False, True))
   cv.check_float_range('probe_lr', config.probe_lr, 0.0, None, inclusive=(False, True))
@@ -234,6 +243,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     cv.check_int_range('classes_per_client', config.classes_per_client, 1, 1_000_000)
   info = dataset_info(config)
   algorithms.registry.validate(config, info)
+  if algorithms.registry.dp_enabled(config):  # a target the schedule cannot meet: refused now
+    algorithms.registry.dp_noise_multiplier(config)
   if (not ssl.get(config.ssl_method).classifier and config.knn_k == 0 and config.probe == 'adam'
       and config.probe_epochs == 0 and config.probe_std_epochs == 0 and config.finetune == 'none'):
     raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
@@ -292,6 +303,22 @@ def _check_server_optimizer(config: ml_collections.ConfigDict) -> None:
     if name not in readers and config[key] != SERVER_OPTIMIZER_DEFAULTS[key]:
       raise cv.ConfigError(f'config.{key} = {config[key]!r} is invalid with server_optimizer = '
                            f'{name!r}: only {readers} read it')
+
+
+def _check_dp(config: ml_collections.ConfigDict) -> None:
+  """config.dp's ranges (ops/dp_fedavg.py), checked whether or not it is enabled."""
+  d = config.dp
+  cv.check_float_range('dp.clip_norm', d.clip_norm, 0.0, None, inclusive=(False, True))
+  cv.check_float_range('dp.noise_multiplier', d.noise_multiplier, 0.0, None)
+  cv.check_float_range('dp.delta', d.delta, 0.0, 1.0, inclusive=(False, False))
+  cv.check_float_range('dp.target_epsilon', d.target_epsilon, 0.0, None)
+  cv.check_choice('dp.accountant', d.accountant, dp_fedavg.ACCOUNTANTS)
+  if (d.enabled and d.accountant == 'pld'
+      and config.clients_per_round < config.num_clients):
+    raise cv.ConfigError(f"config.dp.accountant = 'pld' is invalid with clients_per_round = "
+                         f'{config.clients_per_round} < num_clients = {config.num_clients}: '
+                         "dp-accounting's PLD cannot account sampling without replacement; use "
+                         "'rdp' or full participation")
 
 
 _ONE_SOURCE = sources.SINGLE_SOURCE_NAMES
@@ -444,7 +471,11 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       strategy=config.strategy, map_chunk_size=config.map_chunk_size,
       drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
       client_state=config.client_state, dropout_rate=float(config.dropout_rate),
-      inject_faults=faults.parse(config.inject_client_faults))
+      inject_faults=faults.parse(config.inject_client_faults),
+      dp=(dp_fedavg.DpAggregation(float(config.dp.clip_norm),
+                                  algorithms.registry.dp_noise_multiplier(config),
+                                  bool(config.dp.per_layer))
+          if algorithms.registry.dp_enabled(config) else None))
 
 
 # The one switch that shrinks any documented command to a smoke run (what the docs test applies to

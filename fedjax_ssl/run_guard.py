@@ -206,6 +206,24 @@ def config_changes(stored, current) -> Dict[str, Tuple[Any, Any]]:
           if k not in NEUTRAL_KEYS and old.get(k, _ABSENT) != new.get(k, _ABSENT)}
 
 
+# What DP-FedAvg's ledger assumes of every round (ops/dp_fedavg.py): epsilon is computed from the
+# round count under the current settings, so a resume may not change them.
+_DP_LEDGER_KEYS = ('rounds', 'clients_per_round', 'num_clients')
+
+
+def refuse_dp_changes(changes: Mapping[str, Tuple[Any, Any]], dp_enabled: bool) -> None:
+  """RunStateError for a resume (even with --allow_config_change) that changes config.dp, or the
+  rounds / sampling of a DP run (`dp_enabled`: the current config's): the ledger would count the
+  earlier rounds under settings they did not run with, and could under-report epsilon."""
+  keys = [k for k in changes if k.startswith('dp.')]
+  if keys or dp_enabled:
+    keys += [k for k in changes if k in _DP_LEDGER_KEYS]
+  if keys:
+    raise RunStateError(f'a resume cannot change {format_changes({k: changes[k] for k in keys})} '
+                        'of a DP-FedAvg run: its ledger counts every round under the current '
+                        'settings; start a new --workdir')
+
+
 def format_changes(changes: Mapping[str, Tuple[Any, Any]], limit: int = 8) -> str:
   """'rounds 60 -> 40, lr 0.1 -> 0.2' (at most `limit` keys, then how many more)."""
   items = [f'{k} {old!r} -> {new!r}' for k, (old, new) in changes.items()]

@@ -43,6 +43,8 @@ UNUSED_WHEN = {
     # Issue 64's keys: read only by the image-folder datasets (so older runs keep their key).
     'image_size': lambda c: c.dataset not in ('folder', 'tiny_imagenet'),
     'test_fraction': lambda c: c.dataset != 'folder',
+    # DP-FedAvg off: the block is read by nothing, so runs from before it keep their identity.
+    'dp': lambda c: not ('dp' in c and c.dp.enabled),
 }
 
 # Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedjax_ssl import (checkpoint, configuration, experiment, files, logging_utils, plotting,
+from fedjax_ssl import (algorithms, checkpoint, configuration, experiment, files, logging_utils, plotting,
                         run_guard)
 from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
@@ -257,6 +257,8 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: boo
   # Resuming continues the workdir's run: refuse another config before loading anything.
   stored = run_guard.stored_config(rundir)
   changes = run_guard.config_changes(stored, config) if stored is not None else {}
+  if changes and ckpt.all_rounds():  # DP-FedAvg's ledger: no change, even when allowed
+    run_guard.refuse_dp_changes(changes, algorithms.registry.dp_enabled(config))
   if changes and ckpt.all_rounds() and not allow_config_change:
     run_guard.refuse_changed_config(rundir, changes)
   elif changes and not ckpt.all_rounds():

@@ -93,6 +93,8 @@ def global_model_algorithm(spec: ssl_client.ClientSpec, *, name: str, init, begi
       classifier_apply=classifier_apply(spec),
       ragged_batches=spec.objective.ragged_batches,
       global_model=ONLINE_PARAMS,
+      # The server is the uploaded online network itself (DP-FedAvg's Δ_k = upload - server).
+      update_reference=lambda server: server,
   )
 
 
@@ -207,6 +209,7 @@ def validate_centralized(config: ml_collections.ConfigDict, dataset_info=None) -
                          f"'centralized': it must be 1 (all data on one client)")
 
 
-registry.register('fedavg', build, doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
+registry.register('fedavg', build, dp=True,
+                  doc='FedAvg of the online network (FedBYOL, FedSimCLR, ...)')
 registry.register('centralized', build_centralized, validate=validate_centralized,
                   doc='one client holding all the data', aggregates=False)

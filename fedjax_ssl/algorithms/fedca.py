@@ -207,7 +207,7 @@ def make(spec: ssl_client.ClientSpec, *, client_sizes, fc: FedCAConfig = FedCACo
 
   algo = fedavg.global_model_algorithm(spec, name='fedca', init=init, begin=begin)
   return dataclasses.replace(
-      algo, local_step=local_step, upload=upload, aggregate=aggregate,
+      algo, local_step=local_step, upload=upload, aggregate=aggregate, update_reference=None,
       personalize=lambda msg, cid: dict(msg, self=jnp.asarray(cid, jnp.int32)),
       eval_variables=lambda state: (_model(state.server), False),
       uses_public=fc.align_weight > 0,

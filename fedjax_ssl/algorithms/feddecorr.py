@@ -60,6 +60,7 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               byol_target_sync=config.byol_target_sync)
 
 
-registry.register('feddecorr', build, defaults=config_block, validate=validate, methods=METHODS,
+registry.register('feddecorr', build, dp=True,
+                  defaults=config_block, validate=validate, methods=METHODS,
                   methods_note='the SSL methods FedU2 and SSD pair it with; supervised is not wired',
                   doc='FedAvg + beta * FedDecorr decorrelation loss (Shi et al., ICLR 2023)')

@@ -89,5 +89,6 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               autoscaler_tau=config.fedema.autoscaler_tau)
 
 
-registry.register('fedema', build, defaults=config_block, validate=validate, needs=('predictor',),
+registry.register('fedema', build, dp=True,
+                  defaults=config_block, validate=validate, needs=('predictor',),
                   doc='FedEMA, divergence-scaled EMA update')

@@ -397,6 +397,10 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               calr_batch=f.calr_batch, mu=float(config.sc_mu) or None, ledger=ledger)
 
 
-registry.register('fedsc', build, defaults=config_block, validate=validate, methods=('sc',),
+# Why config.dp (DP-FedAvg, ops/dp_fedavg.py) is refused.
+_DP_REFUSAL = ('its clients also upload correlation matrices, which the clipped-noised mean does '
+               'not cover (their own DP is config.fedsc.dp)')
+registry.register('fedsc', build, dp_refusal=_DP_REFUSAL,
+                  defaults=config_block, validate=validate, methods=('sc',),
                   methods_note='the spectral contrastive loss', plan=plan,
                   doc='spectral contrastive learning with shared correlation matrices')

@@ -61,5 +61,6 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
   return make(ssl_client.spec_from_config(config, info), dapu_threshold=config.fedu.dapu_threshold)
 
 
-registry.register('fedu', build, defaults=config_block, validate=validate, needs=('predictor',),
+registry.register('fedu', build, dp=True,
+                  defaults=config_block, validate=validate, needs=('predictor',),
                   doc='FedU, divergence-aware predictor update')

@@ -283,5 +283,9 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               byol_target_sync=config.byol_target_sync)
 
 
-registry.register('fedu2', build, defaults=config_block, validate=validate, needs=('projector',),
+# Why config.dp (DP-FedAvg, ops/dp_fedavg.py) is refused.
+_DP_REFUSAL = ('its server update (EUA) is not a weighted mean of the uploads, so a '
+               'clipped-noised mean would not bound what it releases')
+registry.register('fedu2', build, dp_refusal=_DP_REFUSAL,
+                  defaults=config_block, validate=validate, needs=('projector',),
                   doc='FUR on the clients, EUA on the server (Liao et al., CVPR 2024)')

@@ -179,6 +179,7 @@ def make(spec: ssl_client.ClientSpec, *, batch_size: int, fx: FedXConfig = FedXC
   return dataclasses.replace(
       algo, local_step=lambda c, b, k, msg, lr: local_step(spec, fx, c, b, k, msg, lr),
       upload=lambda client, msg, local: _subset(client),
+      update_reference=None,  # its upload is not the server's form: no DP-FedAvg
       stateless=Stateless(persist, restore) if stateless else None)
 
 

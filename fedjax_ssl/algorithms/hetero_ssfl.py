@@ -384,7 +384,11 @@ def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:
               broadcast=h.broadcast)
 
 
-registry.register('hetero_ssfl', build, defaults=config_block, validate=validate, methods=METHODS,
+# Why config.dp (DP-FedAvg, ops/dp_fedavg.py) is refused.
+_DP_REFUSAL = ("its server aligns the cohorts' representations on the public set, not a weighted "
+               "mean of uploads")
+registry.register('hetero_ssfl', build, dp_refusal=_DP_REFUSAL,
+                  defaults=config_block, validate=validate, methods=METHODS,
                   methods_note=('the aligned representation is the predictor output (SimCLR: the '
                                 'projector output)'),
                   exclusive=('mix',), encoders=encoders,

@@ -30,7 +30,9 @@ def make(spec: ssl_client.ClientSpec, *, size_weights: bool = False,
     return ldawa_ops.aggregate(payloads, server,
                                weights if size_weights else uniform_weights(weights))
   return dataclasses.replace(
-      fedavg.make(spec, byol_target_sync=byol_target_sync, name='ldawa', stateless=stateless), aggregate=aggregate)
+      fedavg.make(spec, byol_target_sync=byol_target_sync, name='ldawa', stateless=stateless),
+      aggregate=aggregate,
+      update_reference=None)  # layer-wise angles, not a weighted mean: no DP-FedAvg
 
 
 def config_block() -> ml_collections.ConfigDict:

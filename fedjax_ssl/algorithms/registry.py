@@ -32,6 +32,7 @@ import ml_collections
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import ssl
 from fedjax_ssl.core import server_opt
+from fedjax_ssl.ops import dp_fedavg
 
 
 class Plan(NamedTuple):
@@ -74,6 +75,9 @@ class Entry:
     aggregates: the server combines the participants' uploads, so a failed or dropped upload can
       be left out of it (core/faults.py); False (independent training, one centralized client)
       refuses the dropout and fault-injection knobs.
+    dp: the aggregate is a weighted mean of EVERY upload and the built Algorithm declares
+      `update_reference`, so user-level DP-FedAvg (`config.dp`, ops/dp_fedavg.py) applies.
+    dp_refusal: why `config.dp` is refused when `dp` is False (one clause for the error).
   """
   name: str
   build: Callable[[ml_collections.ConfigDict, Any], Any]
@@ -88,6 +92,8 @@ class Entry:
   plan: Optional[Callable[[ml_collections.ConfigDict, Any], Optional[Plan]]] = None
   global_model: bool = True
   aggregates: bool = True
+  dp: bool = False
+  dp_refusal: str = ''
 
 
 _REGISTRY: Dict[str, Entry] = {}
@@ -107,7 +113,8 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
              needs: Sequence[str] = (),
              exclusive: Sequence[str] = (), encoders: Optional[Callable] = None,
              doc: str = '', methods_note: str = '', plan: Optional[Callable] = None,
-             global_model: bool = True, aggregates: bool = True) -> Entry:
+             global_model: bool = True, aggregates: bool = True, dp: bool = False,
+             dp_refusal: str = '') -> Entry:
   """Adds algorithm `name` (see `Entry` for the arguments) and returns its entry.
 
   Registering a name again is allowed only from the same `build` function (a config file that is
@@ -131,7 +138,7 @@ def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,
                 methods=None if methods is None else tuple(methods), needs=tuple(needs),
                 exclusive=tuple(exclusive), encoders=encoders, doc=doc,
                 methods_note=methods_note, plan=plan, global_model=global_model,
-                aggregates=aggregates)
+                aggregates=aggregates, dp=dp, dp_refusal=dp_refusal)
   _REGISTRY[name] = entry
   return entry
 
@@ -173,8 +180,57 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
         raise cv.ConfigError(f'config.{key} = {config[key]!r} is invalid for algorithm '
                              f'{entry.name!r}: it has no aggregate to leave an upload out of '
                              f'({entry.doc}); leave it at {off!r}')
+  if dp_enabled(config) and not entry.dp:
+    raise cv.ConfigError(f'config.dp.enabled = True is invalid for algorithm {entry.name!r}: '
+                         + (entry.dp_refusal or 'its aggregate is not registered as a weighted '
+                            'mean of every upload (registry dp=False)'))
   if entry.validate is not None:
     entry.validate(config, dataset_info)
+
+
+def dp_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run is user-level DP-FedAvg (`config.dp.enabled`; a config without the block:
+  no)."""
+  return 'dp' in config and bool(config.dp.enabled)
+
+
+def dp_noise_multiplier(config: ml_collections.ConfigDict) -> float:
+  """config.dp.noise_multiplier, or when it is 0 with a target_epsilon > 0 the smallest one whose
+  epsilon after config.rounds meets the target. ConfigError when both are set and the schedule
+  cannot meet the target."""
+  d = config.dp
+  if d.target_epsilon > 0 and d.noise_multiplier == 0:
+    return dp_fedavg.calibrate_noise_multiplier(float(d.target_epsilon), float(d.delta),
+                                                int(config.clients_per_round),
+                                                int(config.num_clients), int(config.rounds),
+                                                d.accountant)
+  z = float(d.noise_multiplier)
+  if d.target_epsilon > 0:
+    eps = dp_fedavg.epsilon(z, int(config.clients_per_round), int(config.num_clients),
+                            int(config.rounds), float(d.delta), d.accountant)
+    if eps > d.target_epsilon:
+      raise cv.ConfigError(
+          f'config.dp.target_epsilon = {d.target_epsilon!r} cannot be met: dp.noise_multiplier = '
+          f'{z!r} over {config.rounds} rounds of {config.clients_per_round}/{config.num_clients} '
+          f'clients gives epsilon = {eps:.4g} ({d.accountant}, delta {d.delta}); raise '
+          'dp.noise_multiplier or set it to 0 to calibrate it to the target')
+  return z
+
+
+def dp_plan(config: ml_collections.ConfigDict) -> Plan:
+  """The DP-FedAvg plan: results.json's 'dp' block (epsilon after the run copied from the last
+  round's metrics)."""
+  d, z = config.dp, dp_noise_multiplier(config)
+  planned = dp_fedavg.epsilon(z, int(config.clients_per_round), int(config.num_clients),
+                              int(config.rounds), float(d.delta), d.accountant)
+  summary = {'noise_multiplier': z, 'clip_norm': float(d.clip_norm), 'per_layer': bool(d.per_layer),
+             'delta': float(d.delta), 'rounds': int(config.rounds), 'accountant': d.accountant,
+             'planned_epsilon': planned, 'adjacency': 'replace_one (user level)',
+             'sampling': f'{config.clients_per_round} of {config.num_clients} without replacement'}
+  text = (f'DP-FedAvg: clip {d.clip_norm:g}{" per layer" if d.per_layer else ""}, noise multiplier '
+          f'{z:.4g}, planned epsilon {planned:.4g} after {config.rounds} rounds (delta {d.delta}, '
+          f'{d.accountant}, replace-one user)')
+  return Plan('dp', summary, text, final_metrics=('epsilon',))
 
 
 def check_objective(entry: Entry, name: str) -> None:
@@ -215,6 +271,12 @@ def server_optimizer(config: ml_collections.ConfigDict):
 def build(config: ml_collections.ConfigDict, info: Any) -> Any:
   """The configured Algorithm (`config` already validated), with its server optimizer."""
   algo = get(config.algorithm).build(config, info)
+  if dp_enabled(config):  # epsilon spent so far in every metrics row (ops/dp_fedavg.py)
+    ledger = dp_fedavg.DpLedger(dp_noise_multiplier(config), config.clients_per_round,
+                                config.num_clients, config.dp.delta, config.dp.accountant)
+    own = algo.host_metrics
+    algo = dataclasses.replace(algo, host_metrics=lambda state: dict(
+        own(state) if own is not None else {}, **ledger.host_metrics(state)))
   tx = server_optimizer(config)
   if tx is None:
     return algo
@@ -228,6 +290,8 @@ def build(config: ml_collections.ConfigDict, info: Any) -> Any:
 def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
   """The configured algorithm's Plan (None when it has nothing to plan)."""
   entry = get(config.algorithm)
+  if dp_enabled(config):
+    return dp_plan(config)  # only entries marked `dp` get here, none of which has its own plan
   return None if entry.plan is None else entry.plan(config, info)
 
 

@@ -44,6 +44,10 @@ serve; an algorithm without them computes exactly what it did before they existe
     get(server)                           -> params  (a pytree of float arrays)
     set(server, params)                   -> server
   None for algorithms without a global model (personalised ones).
+* `update_reference(server) -> payload` (one participant's upload form, no leading axis): the
+  global model a participant's update is measured from, u_k - update_reference(server), for
+  user-level DP-FedAvg (ops/dp_fedavg.py); set only where `aggregate` is a weighted mean of every
+  upload, so that aggregating the DP release as one upload of weight 1 sets the model to it.
 * Per-participant and evaluation extras: `personalize(msg, client_id) -> msg` (a participant's own
   view of the broadcast, e.g. the aggregate without its own matrix), `host_metrics(state) -> dict`
   (host-side scalars logged after every round, e.g. the privacy ledger's epsilon),
@@ -136,6 +140,7 @@ class Algorithm:
   personalized: bool = False
   ragged_batches: bool = False
   uses_public: bool = False
+  update_reference: Optional[Callable[..., Any]] = None
 
 
 def restore_client(algo: Algorithm, stored: Any, msg: Any) -> Any:

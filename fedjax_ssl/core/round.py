@@ -8,7 +8,7 @@ benchmark.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from fedjax_ssl.core.algorithm import (Algorithm, Cohort, CohortSlots, LocalData
 from fedjax_ssl.core import comm, faults, local, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
+from fedjax_ssl.ops import dp_fedavg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RoundConfig:
       each participant draws independently, from the round key and its id.
     inject_faults: (round index from 0, client id) pairs whose upload and trained state are made
       non-finite in that round, to exercise the isolation of failed clients (core/faults.py).
+    dp: user-level DP-FedAvg (ops/dp_fedavg.py): the uploads are clipped updates averaged with the
+      fixed denominator m plus Gaussian noise, replacing the algorithm's weights; None: off.
   """
   clients_per_round: int
   local_epochs: int
@@ -55,6 +58,7 @@ class RoundConfig:
   client_state: str = 'device'
   dropout_rate: float = 0.0
   inject_faults: Tuple[Tuple[int, int], ...] = ()
+  dp: Optional[dp_fedavg.DpAggregation] = None
 
 
 CLIENT_STATES = ('device', 'host')
@@ -175,22 +179,45 @@ def round_message(algo: Algorithm, server, data: FedData):
 
 
 def aggregate_round(algo: Algorithm, state: FedState, server, ids, n_sel, payloads, present,
-                    loss, lr, msg):
+                    loss, lr, msg, *, dp: Optional[dp_fedavg.DpAggregation] = None, key=None):
   """(server after `aggregate`, round metrics) of a single-cohort round.
 
   `present` (bool [m]) and `loss` come from the round's fault `screen`: absent participants weigh
   0, and a round without any present participant keeps the server of `prepare`.
+
+  With `dp` (and the round `key`) the algorithm aggregates the one row `dp_aggregate` releases.
   """
   # float32 normally; float64 when x64 is enabled, so a float64 state is averaged in float64.
   fdtype = jax.dtypes.canonicalize_dtype(jnp.float64)
-  counts = jnp.where(present, n_sel, 0).astype(fdtype)
-  total = jnp.sum(counts)
   prepared = server
-  server = algo.aggregate(server, payloads, counts / jnp.where(total > 0, total, 1), ids)
-  server = _keep_if_nobody(present, server, prepared)
+  if dp is not None:
+    server = dp_aggregate(algo, server, ids, payloads, present, key, dp)
+  else:
+    counts = jnp.where(present, n_sel, 0).astype(fdtype)
+    total = jnp.sum(counts)
+    server = algo.aggregate(server, payloads, counts / jnp.where(total > 0, total, 1), ids)
+    server = _keep_if_nobody(present, server, prepared)
   metrics = {'loss': loss, 'lr': lr,
              **comm.round_metrics(algo, msg, (payloads,), (ids.shape[0],), state, prepared)}
   return server, metrics
+
+
+def dp_aggregate(algo: Algorithm, server, ids, payloads, present, key, dp):
+  """The server after DP-FedAvg's aggregation (ops/dp_fedavg.py).
+
+  The noisy mean ū = g + (Σ clip(u_k - g) + noise) / m, g = `update_reference(server)`, is handed
+  to the algorithm's own `aggregate` as a single upload of weight 1: for an algorithm whose
+  aggregate is a weighted mean of its uploads (the registry's `dp` mark) that sets the global model
+  to ū, through a server optimizer if one wraps it. m is the number of slots (clients_per_round):
+  failed or dropped participants add nothing and still count. The release happens even when nobody
+  is present, since skipping it would depend on every participant's data at once.
+  """
+  reference = algo.update_reference(server)
+  mean = dp_fedavg.noisy_mean(reference, payloads, present,
+                              jax.random.fold_in(key, dp_fedavg.NOISE_STREAM), dp, ids.shape[0])
+  one = jax.tree_util.tree_map(lambda a: a[None], mean)
+  weight = jnp.ones((1,), jax.tree_util.tree_leaves(mean)[0].dtype)
+  return algo.aggregate(server, one, weight, ids[:1])
 
 
 def _aggregate_cohort_round(algo: Algorithm, state: FedState, server, slots, n_sel, payloads,
@@ -316,6 +343,10 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
     if r < 0 or not 0 <= c < num_clients:
       raise ValueError(f'inject_faults entry (round {r}, client {c}) is invalid: rounds count '
                        f'from 0 and client ids lie in [0, {num_clients})')
+  if cfg.dp is not None and algo is not None and (algo.cohorts or algo.update_reference is None):
+    raise ValueError(f'dp is invalid for algorithm {algo.name!r}: DP-FedAvg needs a single-cohort '
+                     'algorithm whose Algorithm declares update_reference (its aggregate a '
+                     'weighted mean of the uploads)')
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
@@ -381,7 +412,8 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
                                                 screened, lr, msg)
     else:
       server, metrics = aggregate_round(algo, state, server, ids, n_sel[0], payloads[0],
-                                         screened.present[0], screened.loss, lr, msg)
+                                         screened.present[0], screened.loss, lr, msg, dp=cfg.dp,
+                                         key=key)
     return server, new_sel, dict(metrics, **fault_metrics(cfg, slots, screened))
 
   if cfg.client_state == 'host':

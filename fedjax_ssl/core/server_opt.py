@@ -127,5 +127,7 @@ def wrap(algo: Algorithm, tx: optax.GradientTransformation) -> Algorithm:
       prepare=prepare,
       host_metrics=(None if algo.host_metrics is None else
                     lambda state: algo.host_metrics(inner(state))),
+      update_reference=(None if algo.update_reference is None else
+                        lambda server: algo.update_reference(server['algorithm'])),
       global_model=GlobalModel(lambda s: gm.get(s['algorithm']),
                                lambda s, p: dict(s, algorithm=gm.set(s['algorithm'], p))))
