@@ -365,11 +365,13 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
 @dataclasses.dataclass
 class Outcome:
   """What `train_rounds` ends with: the last state, the final evaluation (None when the run resumed
-  from its final checkpoint), the first round's compile times (None when no round ran), the metrics
-  writer (process 0; None elsewhere), and, when a round diverged, that results dict."""
+  from its final checkpoint), the first round's compile times (None when no round ran) and this
+  process's age when that round started (`compilation.process_age`), the metrics writer (process
+  0; None elsewhere), and, when a round diverged, that results dict."""
   state: Any
   final: dict | None = None
   compile_times: Any = None
+  process_age: float | None = None
   writer: logging_utils.MetricsWriter | None = None
   diverged: dict | None = None
 
@@ -424,11 +426,13 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
   for r in range(start, config.rounds):
     key = rng.round_key(run.run_key, r)
     if out.compile_times is None:  # the process's first round: its compile, apart from the rest
+      out.process_age = compilation.process_age()
       with compilation.compile_timer() as out.compile_times:
         state, metrics = run.round_step(state, run.fed_data, key)
         jax.block_until_ready(state)
       logging_utils.say(f'round {r + 1} step: {out.compile_times.text()} of '
-                        f'{out.compile_times.wall:.1f}s', echo=False)
+                        f'{out.compile_times.wall:.1f}s; export '
+                        f'{experiment.export_status(run.round_step)}', echo=False)
     else:
       state, metrics = run.round_step(state, run.fed_data, key)
     out.state = state
@@ -505,7 +509,10 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   results['communication'] = _communication(algo, config, run.per_participant, records)
   results['strategy'] = _strategy_record(run)
   if outcome.compile_times is not None:
-    results['first_round'] = outcome.compile_times.to_json()
+    results['first_round'] = dict(
+        outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),
+        export_file_seconds=getattr(run.round_step, 'seconds', 0.0),
+        process_seconds_at_start=outcome.process_age)
   rundir.write_results(results)
 
   accs = [k for k in _EVAL_KEYS if k in final]

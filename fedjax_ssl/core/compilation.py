@@ -151,6 +151,19 @@ def compile_timer() -> Iterator[CompileTimes]:
     _ACTIVE.remove(times)
 
 
+def process_age() -> Optional[float]:
+  """Seconds since this process started (Linux /proc), None where that cannot be read: the clock
+  of a second run's "process start to first round" (docs/notes/performance.md#perf-60)."""
+  try:
+    with open('/proc/self/stat') as f:  # field 22, starttime, in clock ticks after boot
+      start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/uptime') as f:
+      uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError):
+    return None
+
+
 def compiled_flops(compiled) -> float:
   """XLA's FLOP count of a compiled program (its cost analysis)."""
   cost = compiled.cost_analysis()
