@@ -1,4 +1,4 @@
-"""The round step serialised (`jax.export`) into the cache folder: a second run compiles it untraced.
+"""The round step serialised (`jax.export`) into the cache folder: a second run loads it untraced.
 
 A cache hit of JAX's persistent compilation cache still traces the round in Python and lowers it
 (the Flax modules, autodiff, vmap): on a GPU that trace was most of a second run's compile
