@@ -9,6 +9,9 @@ everything a run may reuse across processes:
                             the compile options and XLA flags, the jax/jaxlib version, the device)
   CACHE_DIR/strategy.json   the execution strategy `strategy='auto'` measured per program
                             (`fedjax_ssl.core.autotune`)
+  CACHE_DIR/exports/        the round step serialised by `jax.export`, keyed by the program's
+                            identity, so that a second run compiles it without tracing Python
+                            (`fedjax_ssl.core.export_cache`)
 
 CACHE_DIR is the binaries' `--cache_dir` flag, else $FEDJAX_SSL_CACHE_DIR, else
 $XDG_CACHE_HOME/fedjax_ssl (~/.cache/fedjax_ssl). An empty value or 'none' turns the cache off.
