@@ -155,3 +155,24 @@ def test_rounds_that_are_not_exported_say_why(setup, tmp_path, monkeypatch):
       "client_state = 'host' (the round gathers on the host)")
   assert experiment.export_off_reason(_tiny_config(), 'shard') == "strategy 'shard'"
   assert experiment.export_status(lambda *a: None).startswith('off: ')
+
+
+def test_a_round_with_a_host_callback_is_traced_with_a_one_line_warning(tmp_path, caplog):
+  """jax.export cannot serialise a host callback: such a round runs traced, and says why."""
+  def step(state, data, key):
+    seen = jax.pure_callback(lambda x: np.asarray(x) * 2, jax.ShapeDtypeStruct((), np.float32),
+                             data['x'].sum())
+    return {'w': state['w'] + seen}, {'loss': seen}
+  jitted = jax.jit(step, donate_argnums=(0,))
+  wrapped = export_cache.ExportedStep(jitted, tmp_path, {'config': 'callback'}, [])
+  state = {'w': jax.numpy.ones((3,), np.float32)}
+  with caplog.at_level(logging.WARNING):
+    out, metrics = wrapped(state, {'x': jax.numpy.arange(4.0)}, rng.round_key(
+        jax.random.PRNGKey(0), 0))
+  assert wrapped.status.startswith('off: ') and 'callback' in wrapped.status.lower(), (
+      wrapped.status)
+  np.testing.assert_array_equal(np.asarray(out['w']), np.full(3, 13.0, np.float32))
+  assert float(metrics['loss']) == 12.0
+  lines = [r.getMessage() for r in caplog.records if 'cannot be exported' in r.getMessage()]
+  assert len(lines) == 1 and '\n' not in lines[0], lines
+  assert not _files(tmp_path)
