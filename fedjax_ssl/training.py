@@ -233,12 +233,16 @@ def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
-  run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
-                     allow_config_change=allow_config_change, cache_dir=cache_dir)
-  start, state = resume(run, ckpt, state, restart=restart)
-  random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
+  # Every compile before round 1 (initial state, references): with the round's own, the compile
+  # time a run pays before its first round ends (results.json first_round.setup_compile_seconds).
+  with compilation.compile_timer() as before:
+    run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
+                       allow_config_change=allow_config_change, cache_dir=cache_dir)
+    start, state = resume(run, ckpt, state, restart=restart)
+    random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
   outcome = train_rounds(run, ckpt, stop, state, start, random_init, raw_pixels,
                          bar_position=bar_position)
+  outcome.setup_compile_seconds = before.total
   if outcome.diverged is not None or not primary:
     return outcome.diverged or {'status': 'completed'}
   return report(run, outcome, random_init, raw_pixels)
@@ -365,13 +369,15 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
 @dataclasses.dataclass
 class Outcome:
   """What `train_rounds` ends with: the last state, the final evaluation (None when the run resumed
-  from its final checkpoint), the first round's compile times (None when no round ran) and this
-  process's age when that round started (`compilation.process_age`), the metrics writer (process
-  0; None elsewhere), and, when a round diverged, that results dict."""
+  from its final checkpoint), the first round's compile times (None when no round ran), this
+  process's age when that round started (`compilation.process_age`) and the seconds compiling
+  before it (set by `_run`), the metrics writer (process 0; None elsewhere), and, when a round
+  diverged, that results dict."""
   state: Any
   final: dict | None = None
   compile_times: Any = None
   process_age: float | None = None
+  setup_compile_seconds: float | None = None
   writer: logging_utils.MetricsWriter | None = None
   diverged: dict | None = None
 
@@ -512,7 +518,8 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
     results['first_round'] = dict(
         outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),
         export_file_seconds=getattr(run.round_step, 'seconds', 0.0),
-        process_seconds_at_start=outcome.process_age)
+        process_seconds_at_start=outcome.process_age,
+        setup_compile_seconds=outcome.setup_compile_seconds)
   rundir.write_results(results)
 
   accs = [k for k in _EVAL_KEYS if k in final]

@@ -15,12 +15,15 @@ that wrote the file and one that read it compute bit-identical rounds
 
 The key (`identity`) is everything that shapes the program: the config's values less the host-only
 ones (`run_identity.export_keys`), the resolved strategy and chunk, the pytree structure, shapes,
-dtypes and shardings of the round's inputs, jax and jaxlib versions, the backend, its device kind
-and count, and a digest of the package's source files and of the files that define the configured
-algorithm and objective (a researcher's own module included). The file stores the identity in full,
-checked on load, and a digest of the serialised program, checked before it is deserialised: a
-changed program is never served a stale export, and a damaged file is exported again with a
-one-line warning. A cache folder that cannot be read is ignored with a warning.
+dtypes and shardings of the round's inputs, jax and jaxlib versions, the jax settings that change
+a trace (x64, matmul precision, PRNG), the backend, its device kind and count, and a digest of the
+package's source files and of the files that define the configured algorithm and objective (a
+researcher's own module included; a module that one imports is not followed). The file stores
+the identity in full, checked on load, and a digest of the serialised program, checked before it
+is deserialised: a changed program is never served a stale export, and a damaged file is exported
+again with a one-line warning. A cache folder that cannot be read is ignored with a warning. Code
+patched at run time (a test's monkeypatch of the round) is not in the key: set
+FEDJAX_SSL_EXPORT=0 there.
 
 Exported: the single-process round of `client_state='device'` with 'map' or 'vmap' (the default).
 'host' client state (host-side gather and scatter), 'shard' and several processes trace as before
@@ -106,6 +109,12 @@ def source_digest(paths: Sequence[pathlib.Path]) -> str:
   return h.hexdigest()
 
 
+# jax settings that change what a trace produces (dtypes, matmul precision, random bits) without
+# changing the config or the source.
+_TRACE_SETTINGS = ('jax_enable_x64', 'jax_default_matmul_precision', 'jax_default_prng_impl',
+                   'jax_threefry_partitionable')
+
+
 def _leaf_signature(a: Any) -> list:
   """[shape, dtype, sharding] of one input leaf."""
   sharding = getattr(a, 'sharding', None)
@@ -114,14 +123,16 @@ def _leaf_signature(a: Any) -> list:
 
 def identity(program: Dict[str, Any], args: Sequence[Any], sources: str) -> Dict[str, Any]:
   """The full key of a round program (module docstring): `program` (config values and resolved
-  strategy), the inputs' tree and per-leaf [shape, dtype, sharding], versions, backend, sources."""
+  strategy), the inputs' tree and per-leaf [shape, dtype, sharding], versions, trace settings,
+  backend, sources."""
   import jaxlib  # pylint: disable=g-import-not-at-top
   leaves, tree = jax.tree_util.tree_flatten(tuple(args))
   device = jax.devices()[0]
   return {'program': program, 'tree': str(tree), 'leaves': [_leaf_signature(a) for a in leaves],
           'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'backend': jax.default_backend(),
           'device_kind': device.device_kind, 'device_count': jax.device_count(),
-          'process_count': jax.process_count(), 'sources': sources}
+          'process_count': jax.process_count(), 'sources': sources,
+          'settings': {k: str(getattr(jax.config, k, None)) for k in _TRACE_SETTINGS}}
 
 
 def key_of(ident: Dict[str, Any]) -> str:

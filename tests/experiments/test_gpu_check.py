@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh, the prepared GPU check, run on the CPU with SMOKE=1 (a tiny model and
-round): its 'auto' part trains twice through the binary's caches and its 'export' part twice through
-the exported round, each leaving the files a GPU lease brings back; a wrong part name is one error line. (The 'core', 'conv' and 'extra' parts run the benchmark
-and experiments.fedu2.timing, whose flags their own tests check.)"""
+round): its 'auto' part trains twice through the binary's caches and its 'export' part twice
+through the exported round, each leaving the files a GPU lease brings back; a wrong part name is
+one error line. (The 'core', 'conv' and 'extra' parts run the benchmark and
+experiments.fedu2.timing, whose flags their own tests check.)"""
 import json
 import os
 import pathlib
@@ -52,6 +53,8 @@ def test_export_part_second_run_loads_its_round_untraced(tmp_path):
   assert (a['export'], b['export']) == ('written', 'loaded')
   assert b['trace_seconds'] <= 0.25 * a['trace_seconds'], (a, b)
   assert b['persistent_cache_hits'] >= 1 and b['process_seconds_at_start'] > 0
+  total = lambda r: r['setup_compile_seconds'] + r['compile_seconds']  # noqa: E731
+  assert total(b) < total(a), (a, b)
   assert second['final'] == first['final']
   log = (tmp_path / 'check_export.log').read_text()
   assert '=== export_second: exit 0' in log and '.jaxexport' in log
@@ -61,5 +64,5 @@ def test_unknown_part_is_one_error_line(tmp_path):
   out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
-  assert out.stderr.strip() == ("error: part = 'all' is invalid: must be core, conv, extra, auto or "
-                                "export")
+  assert out.stderr.strip() == (
+      "error: part = 'all' is invalid: must be core, conv, extra, auto or export")
