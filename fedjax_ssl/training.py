@@ -213,6 +213,7 @@ class Run:
   per_participant: Any
   changes: dict
   host: Any
+  _init_fn: Any = None  # the compiled `algo.init` (rd.compiled_init) on first use; False: eager
 
   def say(self, message: str) -> None:
     """A line for a person: train.log always, the console when verbose."""
@@ -220,9 +221,21 @@ class Run:
 
   def initial_state(self):
     """The run's round-0 state; with several processes, global arrays (every process built the same
-    data and state)."""
-    state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
-                          client_state=self.config.client_state)
+    data and state). On the device it is one compiled program (`rd.compiled_init`, cached across
+    runs); an `init` that cannot be traced runs eagerly, with a warning."""
+    if self._init_fn is None and self.config.client_state == 'device':
+      self._init_fn = rd.compiled_init(self.algo, self.config.num_clients)
+    try:
+      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
+                            client_state=self.config.client_state, init_fn=self._init_fn or None)
+    except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
+      if not self._init_fn:
+        raise
+      logging.warning('%s.init cannot be one program (%s): initialised eagerly', self.algo.name,
+                      str(e).splitlines()[0][:200])
+      self._init_fn = False
+      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
+                            client_state=self.config.client_state)
     return state.replace(server=strategies.replicate(state.server),
                          round=strategies.replicate(state.round),
                          clients=(state.clients if self.config.client_state == 'host' else

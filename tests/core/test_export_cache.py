@@ -176,3 +176,26 @@ def test_a_round_with_a_host_callback_is_traced_with_a_one_line_warning(tmp_path
   lines = [r.getMessage() for r in caplog.records if 'cannot be exported' in r.getMessage()]
   assert len(lines) == 1 and '\n' not in lines[0], lines
   assert not _files(tmp_path)
+
+
+@pytest.mark.parametrize('overrides', [
+    {},  # FedAvg / SimCLR, MLP
+    dict(algorithm='fedu2', ssl_method='byol', encoder='small_cnn', heads='fedu2'),
+    dict(algorithm='fedema', ssl_method='byol'),
+    dict(algorithm='fedavg', ssl_method='moco'),
+    dict(algorithm='fedsc', ssl_method='sc'),
+])
+def test_the_compiled_init_draws_the_eager_init_bit_for_bit(overrides):
+  """`rd.compiled_init` (the run's initial state as one cached program, PERF-62) changes no
+  number of the initial state."""
+  config = _tiny_config(**overrides)
+  experiment.validate_config(config)
+  algo = experiment.build_algorithm(config, experiment.load_data(config))
+  key = experiment.run_keys(config)[0]
+  eager = rd.init_state(algo, key, config.num_clients)
+  compiled = rd.init_state(algo, key, config.num_clients,
+                           init_fn=rd.compiled_init(algo, config.num_clients))
+  assert jax.tree_util.tree_structure(eager) == jax.tree_util.tree_structure(compiled)
+  for x, y in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(compiled)):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
