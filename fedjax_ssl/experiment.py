@@ -21,6 +21,7 @@ one module carries a run from start to end.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Dict, Optional, Tuple
 
 import jax
@@ -31,7 +32,7 @@ from fedjax_ssl import algorithms, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.configuration import (default_config, round_config,  # noqa: F401
                                       validate_config)
-from fedjax_ssl.core import autotune, rng
+from fedjax_ssl.core import autotune, export_cache, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
@@ -111,6 +112,36 @@ def strategy_program(config: ml_collections.ConfigDict, fed_data: FedData) -> di
       config=run_identity.program_keys(config), data={'x': list(fed_data.x.shape), 'n_max': int(fed_data.n_max)})
 
 
+def export_off_reason(config: ml_collections.ConfigDict, strategy: str) -> Optional[str]:
+  """Why a round of `config` under the resolved `strategy` is not exported, None when it is."""
+  if config.client_state != 'device':
+    return f"client_state = {config.client_state!r} (the round gathers on the host)"
+  if strategies.multi_process():
+    return f'{jax.process_count()} processes'
+  if strategies.resolve_strategy(strategy) == 'shard':
+    return "strategy 'shard'"
+  return None
+
+
+def exported_step(config: ml_collections.ConfigDict, algo: Algorithm, step, strategy: str,
+                  chunk: int, cache_dir):
+  """`step` as an `export_cache.ExportedStep` under CACHE_DIR/exports (module docstring of
+  core/export_cache.py), or `step` itself with the reason logged when this round is not exported."""
+  why = export_off_reason(config, strategy)
+  if why is not None:
+    logging.info('round step not exported (%s): traced as usual', why)
+    return step
+  program = dict(config=run_identity.export_keys(config), strategy=strategy, map_chunk_size=chunk)
+  sources = export_cache.source_files(algo, algorithms.registry.get(config.algorithm),
+                                      ssl_registry.get(config.ssl_method))
+  return export_cache.ExportedStep(step, cache_dir, program, sources)
+
+
+def export_status(step) -> str:
+  """results.json's `first_round.export`: 'loaded', 'written' or 'off: <why>'."""
+  return getattr(step, 'status', 'off: not exported (see train.log)')
+
+
 def choose_strategy(config: ml_collections.ConfigDict, algo: Algorithm, fed_data: FedData,
                     fresh_state, run_key: jax.Array, *, cache_dir=None, stored=None
                     ) -> Tuple[autotune.Choice, object]:
@@ -123,9 +154,10 @@ def choose_strategy(config: ml_collections.ConfigDict, algo: Algorithm, fed_data
   round_cfg = round_config(config)
 
   def make_step(strategy, chunk):
-    return rd.make_round_step(
+    step = rd.make_round_step(
         algo, dataclasses.replace(round_cfg, strategy=strategy, map_chunk_size=chunk),
         config.num_clients)
+    return exported_step(config, algo, step, strategy, chunk, cache_dir)
   keys = [rng.round_key(run_key, 2**31 - 1 - i) for i in range(1 + autotune.TIMED_ROUNDS)]
   choice, step = autotune.resolve(
       config.strategy, config.map_chunk_size, participants=config.clients_per_round,

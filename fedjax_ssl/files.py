@@ -50,14 +50,14 @@ def writing(path: os.PathLike | str) -> Iterator[None]:
     raise DiskFull(os.fspath(path), cause) from e
 
 
-def write_text(path: os.PathLike | str, text: str) -> None:
-  """Writes `text` (UTF-8) to `path` atomically (module docstring)."""
+def write_bytes(path: os.PathLike | str, data: bytes) -> None:
+  """Writes `data` to `path` atomically (module docstring)."""
   path = os.fspath(path)
   directory = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
   try:
-    with os.fdopen(fd, 'w', encoding='utf-8') as f:
-      f.write(text)
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -65,6 +65,11 @@ def write_text(path: os.PathLike | str, text: str) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def write_text(path: os.PathLike | str, text: str) -> None:
+  """Writes `text` (UTF-8) to `path` atomically (module docstring)."""
+  write_bytes(path, text.encode('utf-8'))
 
 
 def write_json(path: os.PathLike | str, obj: Any, *, indent: int = 2, sort_keys: bool = True

@@ -12,6 +12,10 @@
     strategy 'auto' measured (`core/autotune.py`): evaluation, bookkeeping and values that enter the
     program as numbers of the same shape (seed, lr, rounds) are left out, so that the seeds and
     learning rates of one program share one measurement.
+  * `export_keys(config)`: the config values a round's exported program may depend on
+    (`core/export_cache.py`): `run_key` less the keys read only on the host (evaluation, logging,
+    checkpoints) and the strategy keys (the resolved strategy is keyed instead). Unlike
+    `program_keys` it keeps the values baked into the program as constants (lr, rounds, seed).
   * `step_cost_key(config, image_shape)`: the runs whose local steps cost the same FLOPs, whatever
     their data size, client count or rounds (`experiments.plan` compiles one step per key).
 
@@ -99,6 +103,18 @@ def program_keys(config: ml_collections.ConfigDict) -> Dict[str, Any]:
   """The config values that shape the round's compiled program (module docstring)."""
   return {k: v for k, v in config.to_dict().items()
           if k not in _NOT_PROGRAM_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
+
+
+# Read only on the host, never by the round's program; the strategy keys are replaced by the
+# resolved strategy in the export's key.
+_HOST_ONLY_KEYS = NEUTRAL_KEYS + ('strategy', 'map_chunk_size', 'knn_k', 'knn_temperature',
+                                  'knn_k_small', 'label_fractions', 'label_draws')
+
+
+def export_keys(config: ml_collections.ConfigDict) -> Dict[str, Any]:
+  """The config values an exported round program may depend on (module docstring)."""
+  return {k: v for k, v in json.loads(run_key(config)).items()
+          if k not in _HOST_ONLY_KEYS and not k.startswith(_NOT_PROGRAM_PREFIXES)}
 
 
 def _variant(config: ml_collections.ConfigDict) -> str:

@@ -215,6 +215,7 @@ class Run:
   per_participant: Any
   changes: dict
   host: Any
+  _init_fn: Any = None  # the compiled `algo.init` (rd.compiled_init) on first use; False: eager
 
   def say(self, message: str) -> None:
     """A line for a person: train.log always, the console when verbose."""
@@ -222,9 +223,21 @@ class Run:
 
   def initial_state(self):
     """The run's round-0 state; with several processes, global arrays (every process built the same
-    data and state)."""
-    state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
-                          client_state=self.config.client_state)
+    data and state). On the device it is one compiled program (`rd.compiled_init`, cached across
+    runs); an `init` that cannot be traced runs eagerly, with a warning."""
+    if self._init_fn is None and self.config.client_state == 'device':
+      self._init_fn = rd.compiled_init(self.algo, self.config.num_clients)
+    try:
+      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
+                            client_state=self.config.client_state, init_fn=self._init_fn or None)
+    except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
+      if not self._init_fn:
+        raise
+      logging.warning('%s.init cannot be one program (%s): initialised eagerly', self.algo.name,
+                      str(e).splitlines()[0][:200])
+      self._init_fn = False
+      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
+                            client_state=self.config.client_state)
     return state.replace(server=strategies.replicate(state.server),
                          round=strategies.replicate(state.round),
                          clients=(state.clients if self.config.client_state == 'host' else
@@ -235,12 +248,16 @@ def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer,
          stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
-  run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
-                     allow_config_change=allow_config_change, cache_dir=cache_dir)
-  start, state = resume(run, ckpt, state, restart=restart)
-  random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
+  # Every compile before round 1 (initial state, references): with the round's own, the compile
+  # time a run pays before its first round ends (results.json first_round.setup_compile_seconds).
+  with compilation.compile_timer() as before:
+    run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
+                       allow_config_change=allow_config_change, cache_dir=cache_dir)
+    start, state = resume(run, ckpt, state, restart=restart)
+    random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
   outcome = train_rounds(run, ckpt, stop, state, start, random_init, raw_pixels,
                          bar_position=bar_position)
+  outcome.setup_compile_seconds = before.total
   if outcome.diverged is not None or not primary:
     return outcome.diverged or {'status': 'completed'}
   return report(run, outcome, random_init, raw_pixels)
@@ -369,11 +386,15 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
 @dataclasses.dataclass
 class Outcome:
   """What `train_rounds` ends with: the last state, the final evaluation (None when the run resumed
-  from its final checkpoint), the first round's compile times (None when no round ran), the metrics
-  writer (process 0; None elsewhere), and, when a round diverged, that results dict."""
+  from its final checkpoint), the first round's compile times (None when no round ran), this
+  process's age when that round started (`compilation.process_age`) and the seconds compiling
+  before it (set by `_run`), the metrics writer (process 0; None elsewhere), and, when a round
+  diverged, that results dict."""
   state: Any
   final: dict | None = None
   compile_times: Any = None
+  process_age: float | None = None
+  setup_compile_seconds: float | None = None
   writer: logging_utils.MetricsWriter | None = None
   diverged: dict | None = None
 
@@ -428,11 +449,13 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
   for r in range(start, config.rounds):
     key = rng.round_key(run.run_key, r)
     if out.compile_times is None:  # the process's first round: its compile, apart from the rest
+      out.process_age = compilation.process_age()
       with compilation.compile_timer() as out.compile_times:
         state, metrics = run.round_step(state, run.fed_data, key)
         jax.block_until_ready(state)
       logging_utils.say(f'round {r + 1} step: {out.compile_times.text()} of '
-                        f'{out.compile_times.wall:.1f}s', echo=False)
+                        f'{out.compile_times.wall:.1f}s; export '
+                        f'{experiment.export_status(run.round_step)}', echo=False)
     else:
       state, metrics = run.round_step(state, run.fed_data, key)
     out.state = state
@@ -509,7 +532,11 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   results['communication'] = _communication(algo, config, run.per_participant, records)
   results['strategy'] = _strategy_record(run)
   if outcome.compile_times is not None:
-    results['first_round'] = outcome.compile_times.to_json()
+    results['first_round'] = dict(
+        outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),
+        export_file_seconds=getattr(run.round_step, 'seconds', 0.0),
+        process_seconds_at_start=outcome.process_age,
+        setup_compile_seconds=outcome.setup_compile_seconds)
   rundir.write_results(results)
 
   accs = [k for k in _EVAL_KEYS if k in final]

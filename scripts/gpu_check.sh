@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 46, in three parts sized for ~6 minutes each on one H100 / H200
-# (two fit in a 15-minute lease with the machine's start); each stage has a time limit, and a part's
-# limits add up to 7 minutes at most. Prepare once here, on the CPU box:
+# The prepared GPU check of issues 46 and 65, in five parts sized for ~6 minutes each on one H100 /
+# H200 (two fit in a 15-minute lease with the machine's start); each stage has a time limit, and a
+# part's limits add up to 7 minutes at most. Prepare once here, on the CPU box:
 #
 #   bash scripts/gpu_wheels.sh        # .whl/: ml-collections, dp-accounting, tensorboardX
 #
@@ -23,6 +23,11 @@
 #   bash scripts/gpu_check.sh auto    # the train binary (configs/gpu_round.py, bf16): a first run
 #                                     # measures strategy='auto' and compiles; a second run of the
 #                                     # same config reads both caches
+#   bash scripts/gpu_check.sh export  # the train binary (configs/gpu_round.py, bf16, vmap) twice
+#                                     # with one fresh cache folder: the first run exports its
+#                                     # round (jax.export) and compiles it, the second loads the
+#                                     # export untraced and compiles from the persistent cache
+#                                     # (issue 65 item 4: <= 5 s of compile before round 1)
 #
 # Each part writes check_<part>.log and its JSON files (at most 8 files) to $OUT (default
 # docs/results/gpu/check_<part>); every stage has a time limit, so a stage that runs long ends the
@@ -32,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-core}
-case "$PART" in core|conv|extra|auto) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, extra or auto" >&2; exit 1;; esac
+case "$PART" in core|conv|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, extra, auto or export" >&2; exit 1;; esac
 OUT=${OUT:-docs/results/gpu/check_$PART}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_$PART.log") 2>&1
@@ -143,6 +148,19 @@ auto)
     grep -h " step: \|), strategy '" "/tmp/gpu_round_$run.$$/train.log" 2>/dev/null | cut -c1-400
   done
   cp "$CACHE/strategy.json" "$OUT/strategy_cache.json" 2>/dev/null
+  ;;
+export)
+  # results.json's first_round: export ('written', then 'loaded'), trace / lower / XLA seconds,
+  # persistent-cache hits and process_seconds_at_start (data loading and imports included); the
+  # strategy is pinned so that no autotune compile enters either run (PERF-60).
+  for run in first second; do
+    stage "export_$run" 170 "$PY" -m experiments.train --config configs/gpu_round.py \
+      --workdir "/tmp/gpu_export_$run.$$" --cache_dir "$CACHE" --config.precision=bfloat16 \
+      --config.strategy=vmap "${TRAIN_ARGS[@]}"
+    cp "/tmp/gpu_export_$run.$$/results.json" "$OUT/export_${run}_results.json" 2>/dev/null
+    grep -h " step: " "/tmp/gpu_export_$run.$$/train.log" 2>/dev/null | cut -c1-400
+  done
+  ls -la "$CACHE/exports"
   ;;
 esac
 echo "=== done at +$(( $(date +%s) - T0 ))s; files in $OUT:"

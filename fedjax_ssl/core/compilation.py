@@ -9,6 +9,9 @@ everything a run may reuse across processes:
                             the compile options and XLA flags, the jax/jaxlib version, the device)
   CACHE_DIR/strategy.json   the execution strategy `strategy='auto'` measured per program
                             (`fedjax_ssl.core.autotune`)
+  CACHE_DIR/exports/        the round step serialised by `jax.export`, keyed by the program's
+                            identity, so that a second run compiles it without tracing Python
+                            (`fedjax_ssl.core.export_cache`)
 
 CACHE_DIR is the binaries' `--cache_dir` flag, else $FEDJAX_SSL_CACHE_DIR, else
 $XDG_CACHE_HOME/fedjax_ssl (~/.cache/fedjax_ssl). An empty value or 'none' turns the cache off.
@@ -149,6 +152,19 @@ def compile_timer() -> Iterator[CompileTimes]:
   finally:
     times.wall = time.perf_counter() - t0
     _ACTIVE.remove(times)
+
+
+def process_age() -> Optional[float]:
+  """Seconds since this process started (Linux /proc), None where that cannot be read: the clock
+  of a second run's "process start to first round" (docs/notes/performance.md#perf-60)."""
+  try:
+    with open('/proc/self/stat') as f:  # field 22, starttime, in clock ticks after boot
+      start_ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/uptime') as f:
+      uptime = float(f.read().split()[0])
+    return uptime - start_ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def compiled_flops(compiled) -> float:

@@ -64,12 +64,14 @@ class RoundConfig:
 CLIENT_STATES = ('device', 'host')
 
 
-def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: str = 'device'
-               ) -> FedState:
+def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: str = 'device',
+               *, init_fn: Callable | None = None) -> FedState:
   """Initial state: stacked client states and the server state, round 0.
 
   client_state='host' returns the client stacks as numpy arrays (computed on the CPU backend, so
   the accelerator never holds all C clients; same threefry draws, so the same numbers on CPU).
+  init_fn(key) -> (clients, server) replaces `algo.init(key, num_clients)` on the device path:
+  `compiled_init` gives the same numbers as one program.
   """
   if client_state not in CLIENT_STATES:
     raise ValueError(f'client_state = {client_state!r} is invalid: must be one of {CLIENT_STATES}')
@@ -81,7 +83,7 @@ def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: 
     # committed to one device cannot enter a round sharded over several).
     server = jax.device_get(server)
   else:
-    clients, server = algo.init(key, num_clients)
+    clients, server = init_fn(key) if init_fn is not None else algo.init(key, num_clients)
   # One buffer per leaf: the round step donates the state, and XLA refuses a buffer donated twice
   # (an init that reuses one zeros array for two leaves would otherwise fail on the first round).
   server, rnd = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True),
@@ -89,6 +91,16 @@ def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: 
   if client_state == 'device':
     clients = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), clients)
   return FedState(clients=clients, server=server, round=rnd)
+
+
+def compiled_init(algo: Algorithm, num_clients: int) -> Callable:
+  """`algo.init(key, num_clients)` as one jitted program, for `init_state(init_fn=...)`.
+
+  Run eagerly, an init compiles one small program per operation and parameter shape, each below
+  the persistent cache's threshold, so every run paid them again before its first round
+  (docs/notes/performance.md#perf-62); one program is compiled once and cached. The draws are the
+  same threefry bits (tested bit-identical)."""
+  return jax.jit(lambda key: algo.init(key, num_clients))
 
 
 def sample_participants(rkey: jax.Array, num_clients: int, m: int) -> jax.Array:

@@ -1,7 +1,8 @@
 """scripts/gpu_check.sh, the prepared GPU check, run on the CPU with SMOKE=1 (a tiny model and
-round): its 'auto' part trains twice through the binary's caches and leaves the files a GPU lease
-brings back; a wrong part name is one error line. (The 'core', 'conv' and 'extra' parts run the benchmark
-and experiments.fedu2.timing, whose flags their own tests check.)"""
+round): its 'auto' part trains twice through the binary's caches and its 'export' part twice
+through the exported round, each leaving the files a GPU lease brings back; a wrong part name is
+one error line. (The 'core', 'conv' and 'extra' parts run the benchmark and
+experiments.fedu2.timing, whose flags their own tests check.)"""
 import json
 import os
 import pathlib
@@ -35,8 +36,33 @@ def test_auto_part_measures_then_reads_the_caches(tmp_path):
   assert json.loads((tmp_path / 'env_auto.json').read_text())['devices'] == ['cpu:cpu']
 
 
+@pytest.mark.slow
+def test_export_part_second_run_loads_its_round_untraced(tmp_path):
+  """Issue 65 item 4 through the binary: the second run's results.json says the round was loaded
+  from its export, traced in at most a quarter of the first run's time, to the same numbers."""
+  env = dict(subprocess_env.binary_env(), SMOKE='1', OUT=str(tmp_path), PYTHON=sys.executable)
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'export'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == [
+      'check_export.log', 'env_export.json', 'export_first_results.json',
+      'export_second_results.json']
+  first, second = (json.loads((tmp_path / f'export_{r}_results.json').read_text())
+                   for r in ('first', 'second'))
+  a, b = first['first_round'], second['first_round']
+  assert (a['export'], b['export']) == ('written', 'loaded')
+  assert b['trace_seconds'] <= 0.25 * a['trace_seconds'], (a, b)
+  assert b['persistent_cache_hits'] >= 1 and b['process_seconds_at_start'] > 0
+  total = lambda r: r['setup_compile_seconds'] + r['compile_seconds']  # noqa: E731
+  assert total(b) < total(a), (a, b)
+  assert second['final'] == first['final']
+  log = (tmp_path / 'check_export.log').read_text()
+  assert '=== export_second: exit 0' in log and '.jaxexport' in log
+
+
 def test_unknown_part_is_one_error_line(tmp_path):
   out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
-  assert out.stderr.strip() == ("error: part = 'all' is invalid: must be core, conv, extra or auto")
+  assert out.stderr.strip() == (
+      "error: part = 'all' is invalid: must be core, conv, extra, auto or export")

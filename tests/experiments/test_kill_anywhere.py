@@ -84,9 +84,11 @@ _CHILD = textwrap.dedent('''
 
 def _leg(workdir, cache, trigger='none', at=0):
   spec = json.dumps({'config': CONFIG, 'fedsc': FEDSC})
+  # No exported round (core/export_cache.py): a leg that loaded the first leg's export would run
+  # the stored program, not the killing step the 'train' trigger patches in.
+  env = dict(subprocess_env.binary_env(), FEDJAX_SSL_EXPORT='0')
   return subprocess.run([sys.executable, '-c', _CHILD, str(workdir), trigger, str(at), str(cache),
-                         spec], cwd=REPO, env=subprocess_env.binary_env(), capture_output=True,
-                        text=True, timeout=600)
+                         spec], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _rows(workdir):

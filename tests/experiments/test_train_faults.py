@@ -114,6 +114,9 @@ def _round_step_hook(monkeypatch, hook):
       return hook(int(state.round), state, metrics)
     return wrapped
   monkeypatch.setattr(rd, 'make_round_step', wrapped_make)
+  # Not exported (core/export_cache.py): a run that loaded an earlier run's export of the same
+  # program would run the stored program, never the hook.
+  monkeypatch.setenv('FEDJAX_SSL_EXPORT', '0')
 
 
 @pytest.mark.slow
