@@ -22,8 +22,9 @@ convolution to the pooled features, forward and backward, the client axis moves 
 value leaves the convolutional part (the flatten before a Dense layer, the pooled features).
 
 The numbers are those of jax.vmap up to float summation order. Enabled only for programs traced
-with a `layers.Conv(conv_impl='packed')` (its convolution is a jit named PACKED_CONV): every other
-program is vmapped by jax.vmap unchanged.
+with a `layers.Conv(conv_impl='packed')` (its convolution is a jit named PACKED_CONV) or 'measured'
+(MEASURED_CONV: each convolution's implementation chosen by timing, core/conv_choice.py): every
+other program is vmapped by jax.vmap unchanged.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from jax._src import tree_util as _tree_util
 from jax.extend import core as jax_core
 
 PACKED_CONV = 'fedjax_ssl_packed_conv'
+MEASURED_CONV = 'fedjax_ssl_measured_conv'  # conv_impl='measured': choices by core/conv_choice.py
 SHARED, STACKED, PACKED = 'shared', 'stacked', 'packed'
 IMPLS = ('grouped', 'loop', 'vmap')  # how a packed convolution is computed (`conv`)
 
@@ -71,15 +73,16 @@ def _sub_jaxpr(eqn) -> Optional[Any]:
   return None
 
 
-def has_packed_conv(jaxpr: Any) -> bool:
-  """True when `jaxpr` (closed or open) contains a call named PACKED_CONV at any depth."""
+def has_call(jaxpr: Any, name: str) -> bool:
+  """True when `jaxpr` (closed or open) contains a call whose name contains `name`, at any depth
+  (after autodiff the gradient's calls are named e.g. 'transpose(jvp(NAME))')."""
   jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
   for eqn in jaxpr.eqns:
-    if PACKED_CONV in str(eqn.params.get('name', '')):
+    if name in str(eqn.params.get('name', '')):
       return True
     for param in eqn.params.values():
       for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)) and has_packed_conv(sub):
+        if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)) and has_call(sub, name):
           return True
   return False
 
@@ -318,10 +321,11 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Value], k: int)
 
 def vmap(fn: Callable, in_axes: Any = 0, *, choose: Optional[Callable] = None) -> Callable:
   """`jax.vmap(fn, in_axes)` (in_axes: a prefix tree of 0 / None, out_axes 0), evaluated in the
-  client-packed layout when fn's jaxpr has a packed convolution (PACKED_CONV), else jax.vmap.
+  client-packed layout when fn's jaxpr has a packed convolution (PACKED_CONV or MEASURED_CONV),
+  else jax.vmap.
 
-  choose: (eqn, vals, k, case) -> one of IMPLS, per packable convolution (the measured choice,
-    core/conv_choice.py); None: 'grouped' everywhere.
+  choose: (eqn, vals, k, case) -> one of IMPLS, per packable convolution; None: the measured
+    choice (core/conv_choice.py) with a MEASURED_CONV in the program, else 'grouped' everywhere.
   """
   def run(*args):
     axes = _tree_util.broadcast_prefix(in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args),
@@ -339,11 +343,17 @@ def vmap(fn: Callable, in_axes: Any = 0, *, choose: Optional[Callable] = None) -
            for x, a in zip(flat, axes)]
     closed, out_shape = jax.make_jaxpr(
         lambda *f: fn(*jax.tree_util.tree_unflatten(tree, f)), return_shape=True)(*one)
-    if not has_packed_conv(closed):
+    measured = has_call(closed, MEASURED_CONV)
+    if not measured and not has_call(closed, PACKED_CONV):
       return jax.vmap(fn, in_axes=in_axes)(*args)
+    if measured and choose is None:
+      from fedjax_ssl.core import conv_choice  # pylint: disable=g-import-not-at-top (it imports this)
+      chooser = conv_choice.choose
+    else:
+      chooser = choose
     vals = [Value(x, STACKED if a == 0 else SHARED, o.shape) for x, a, o in zip(flat, axes, one)]
     previous = _CONV_CHOICE.get('choose')
-    _CONV_CHOICE['choose'] = choose
+    _CONV_CHOICE['choose'] = chooser
     try:
       outs = eval_jaxpr(closed.jaxpr, closed.consts, vals, k)
     finally:

@@ -203,17 +203,25 @@ def fedjax_ssl_packed_conv(x, kernel, strides, pads):
   return xla_conv(x, kernel, strides, pads)
 
 
-# The jit's name (the function's) marks a program for the client-packed vmap of core/packing.py
-# (its PACKED_CONV).
+def fedjax_ssl_measured_conv(x, kernel, strides, pads):
+  return xla_conv(x, kernel, strides, pads)
+
+
+# The jits' names (the functions') mark a program for the client-packed vmap of core/packing.py
+# (its PACKED_CONV and MEASURED_CONV).
 _packed_conv = jax.jit(fedjax_ssl_packed_conv, static_argnums=(2, 3))
+_measured_conv = jax.jit(fedjax_ssl_measured_conv, static_argnums=(2, 3))
 
 
 def packed_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
-                pads: Tuple[Tuple[int, int], Tuple[int, int]]) -> jax.Array:
-  """conv_impl='packed': XLA's convolution [B, H, W, cin] x [kh, kw, cin, cout] -> [B, Ho, Wo,
-  cout] inside a jit named core.packing.PACKED_CONV, so that a local step vmapped over clients
-  (core/local.py) runs every convolution of the program in the client-packed layout."""
-  return _packed_conv(x, kernel, tuple(strides), tuple(tuple(p) for p in pads))
+                pads: Tuple[Tuple[int, int], Tuple[int, int]], measured: bool = False
+                ) -> jax.Array:
+  """conv_impl='packed' ('measured' with `measured`): XLA's convolution [B, H, W, cin] x
+  [kh, kw, cin, cout] -> [B, Ho, Wo, cout] inside a jit named core.packing.PACKED_CONV
+  (MEASURED_CONV), so that a local step vmapped over clients (core/local.py) runs the program's
+  convolutions in the client-packed layout (each by its measured implementation)."""
+  fn = _measured_conv if measured else _packed_conv
+  return fn(x, kernel, tuple(strides), tuple(tuple(p) for p in pads))
 
 
 @jax.custom_vjp
@@ -288,7 +296,7 @@ class Conv(nn.Module):
     if impl == 'xla':
       y = xla_conv(x4, kernel, strides, pads)
     elif impl == 'packed':
-      y = packed_conv(x4, kernel, strides, pads)
+      y = packed_conv(x4, kernel, strides, pads, measured=self.conv_impl == 'measured')
     else:
       y = im2col_conv(x4, kernel, strides, pads)
     if self.use_bias:
