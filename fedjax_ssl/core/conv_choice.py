@@ -102,12 +102,15 @@ def time_candidates(eqn, vals: List[packing.Value], k: int, case: str,
       return packing.packed(out, k) if out.form != packing.SHARED else out.array
 
     f = jax.jit(run)
-    jax.block_until_ready(f(*arrays))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(f(*arrays))
-      times.append(time.perf_counter() - start)
+    # Called while the round is traced: without ensure_compile_time_eval the calls would be staged
+    # into that program (and the timing would measure staging), not run.
+    with jax.ensure_compile_time_eval():
+      jax.block_until_ready(f(*arrays))  # compile and warm up
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*arrays))
+        times.append(time.perf_counter() - start)
     seconds[impl] = statistics.median(times)
   return seconds
 

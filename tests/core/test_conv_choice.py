@@ -64,6 +64,21 @@ def test_measured_once_stored_reused_recorded(folder, monkeypatch):
   assert len(conv_choice.text()) == 5
 
 
+def test_candidates_are_timed_running_not_staged(folder, monkeypatch):
+  # Timing happens while the round is traced; a call staged into that trace instead of run would
+  # return a tracer (and time the staging).
+  seen = []
+  original = conv_choice.jax.block_until_ready
+
+  def spy(x):
+    seen.append(all(isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+                    for leaf in jax.tree_util.tree_leaves(x)))
+    return original(x)
+  monkeypatch.setattr(conv_choice.jax, 'block_until_ready', spy)
+  _run('measured')
+  assert seen and all(seen)
+
+
 def test_a_damaged_file_is_one_line_before_compute(folder):
   # Raised at trace time (jax appends its traceback note on lines of their own).
   path = folder / conv_choice.FILE
