@@ -156,3 +156,34 @@ def test_bad_input_is_one_line_before_compute():
       models.get_encoder('mlp', conv_impl=impl)
   with pytest.raises(ValueError, match=r"^in_axes=1; allowed entries: 0 or None$"):
     packing.vmap(lambda a: a, in_axes=1)(jnp.zeros((2, 3)))
+
+
+def test_a_fedbyol_round_under_vmap_equals_the_default():
+  """The engine's own vmap (core/local.py's batching rule, two phase widths) with the packed
+  encoder: the round's new state equals the 'xla' round's to the float64 round-equivalence bound of
+  tests/core/test_round_equivalence.py (RTOL 1e-6: rounding grown through a chaotic round of
+  8-sample BatchNorm networks reaches ~1e-10, an algorithmic difference >= 1e-3)."""
+  from fedjax_ssl.algorithms import fedavg, ssl_client
+  from fedjax_ssl.core import optim
+  from fedjax_ssl.core import round as rd
+  from tests.core import test_round_equivalence as tre
+
+  def algo(conv_impl):
+    enc = models.get_encoder('small_cnn', conv_features=(4,), dense_features=(6,),
+                             conv_impl=conv_impl)
+    model = models.SSLModel(enc, models.MLPHead(8, 5), models.MLPHead(8, 5))
+    spec = ssl_client.ClientSpec(
+        objective='byol', model=model, tx=optim.make_optimizer('sgd', momentum=0.9),
+        aug=tre.AUG, mean=(0.5,), std=(0.3,), input_shape=(8, 8, 1),
+        hparams={'temperature': 0.5, 'ema_tau': 0.9, 'mu': None}, reset_optimizer=True)
+    return fedavg.make(spec)
+
+  data, cfg = tre._data(), tre._round_cfg('vmap', 3, vmap_shrink=2.0)
+  states = {}
+  with jax.enable_x64(True):
+    for impl in ('xla', 'packed'):
+      a = algo(impl)
+      state = tre._float64(rd.init_state(a, jax.random.PRNGKey(3), tre.NUM_CLIENTS))
+      states[impl] = rd.make_round_step(a, cfg, tre.NUM_CLIENTS, donate=False)(
+          state, data, jax.random.PRNGKey(5))[0]
+    tre._assert_tree_close(states['packed'], states['xla'], 'packed round')
