@@ -111,6 +111,12 @@ class _TracedOnce:
     closed, out_tree = self._jaxprs[key]
     return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*flat))
 
+  def packed(self) -> bool:
+    """Whether a traced step has a client-packed convolution (core/packing.py)."""
+    return any(packing.has_call(closed, packing.PACKED_CONV)
+               or packing.has_call(closed, packing.MEASURED_CONV)
+               for closed, _ in self._jaxprs.values())
+
 
 def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, offset: jax.Array,
                  n: jax.Array, ckey: jax.Array, msg: Any, lr: jax.Array, *, n_max: int,
@@ -201,8 +207,10 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
       todo = sorted_steps[head]
 
       def body(carry, lane=lane, shared=shared, todo=todo):
-        # jax.vmap, or the client-packed layout for conv_impl='packed' / 'measured' (packing.py).
-        new = packing.vmap(lane_step, in_axes=(0, 0, other_axes))(carry, lane, shared)
+        # The client-packed layout for conv_impl='packed' / 'measured' (packing.py), else jax.vmap
+        # (decided on the step's unbatched trace, so the default path traces nothing more).
+        vmap = packing.vmap if traced_once.packed() else jax.vmap
+        new = vmap(lane_step, in_axes=(0, 0, other_axes))(carry, lane, shared)
         live = carry[0] < todo  # a finished client keeps its state bit for bit
         return jax.tree_util.tree_map(
             lambda a, b: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, carry)

@@ -343,9 +343,12 @@ def vmap(fn: Callable, in_axes: Any = 0, *, choose: Optional[Callable] = None) -
            for x, a in zip(flat, axes)]
     closed, out_shape = jax.make_jaxpr(
         lambda *f: fn(*jax.tree_util.tree_unflatten(tree, f)), return_shape=True)(*one)
+    out_tree = jax.tree_util.tree_structure(out_shape)
     measured = has_call(closed, MEASURED_CONV)
     if not measured and not has_call(closed, PACKED_CONV):
-      return jax.vmap(fn, in_axes=in_axes)(*args)
+      # jax.vmap of the jaxpr just traced, not of fn: fn is traced in Python once either way.
+      outs = jax.vmap(jax_core.jaxpr_as_fun(closed), in_axes=list(axes), axis_size=k)(*flat)
+      return jax.tree_util.tree_unflatten(out_tree, outs)
     if measured and choose is None:
       from fedjax_ssl.core import conv_choice  # pylint: disable=g-import-not-at-top (it imports this)
       chooser = conv_choice.choose
@@ -358,6 +361,5 @@ def vmap(fn: Callable, in_axes: Any = 0, *, choose: Optional[Callable] = None) -
       outs = eval_jaxpr(closed.jaxpr, closed.consts, vals, k)
     finally:
       _CONV_CHOICE['choose'] = previous
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape),
-                                        [stacked(v, k) for v in outs])
+    return jax.tree_util.tree_unflatten(out_tree, [stacked(v, k) for v in outs])
   return run

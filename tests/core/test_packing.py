@@ -141,8 +141,10 @@ def test_a_program_without_packed_convolution_is_jax_vmap():
   enc = models.get_encoder('small_cnn', conv_impl='xla')
   x = jnp.zeros((K, 2, 8, 8, 1))
   variables = jax.vmap(lambda xx: enc.init(jax.random.PRNGKey(1), xx, train=True))(x)
-  assert (str(jax.make_jaxpr(packing.vmap(_step(enc)))(variables, x))
-          == str(jax.make_jaxpr(jax.vmap(_step(enc)))(variables, x)))
+  got = jax.make_jaxpr(packing.vmap(_step(enc)))(variables, x)
+  want = jax.make_jaxpr(jax.vmap(_step(enc)))(variables, x)
+  assert ([e.primitive.name for e in got.jaxpr.eqns] == [e.primitive.name for e in want.jaxpr.eqns]
+          and 'fedjax_ssl' not in str(got))
   assert layers.fedjax_ssl_packed_conv.__name__ == packing.PACKED_CONV
 
 
