@@ -10,6 +10,11 @@ flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable 
 im2col wins through the gradients; a program that is never differentiated (feature extraction)
 is faster with XLA's own convolution, which `inference_convs()` selects for 'auto'.
 
+'packed' and 'measured' are XLA's convolution per client, marked so that where the engine vmaps a
+local step over clients the whole step runs in the client-packed layout [N, H, W, K*C]
+(core/packing.py; 'measured': each convolution's implementation timed once, core/conv_choice.py;
+docs/notes/performance.md#perf-53).
+
 Precision: every layer takes `dtype`, the compute dtype of its matmul / convolution and output
 (None: the dtype of its input and parameters, i.e. float32, or float64 in the x64 tests).
 Parameters are float32 whatever `dtype` is; `compute_dtype(config.precision)` gives the dtype, and
