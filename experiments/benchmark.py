@@ -119,7 +119,7 @@ from fedjax_ssl import models  # noqa: E402
 from fedjax_ssl.algorithms import fedavg, ssl_client  # noqa: E402
 from fedjax_ssl.core.algorithm import restore_client  # noqa: E402
 from experiments import baselines  # noqa: E402
-from fedjax_ssl.core import compilation, rng, strategies  # noqa: E402
+from fedjax_ssl.core import compilation, conv_choice, rng, strategies  # noqa: E402
 from fedjax_ssl.data import augment, partition  # noqa: E402
 from fedjax_ssl.data.types import DataInfo  # noqa: E402
 from fedjax_ssl.core import round as rd  # noqa: E402
@@ -771,10 +771,13 @@ def define_flags() -> None:
       '(experiments/profile_summary.py) to the row. Empty: no profile.')
   flags.DEFINE_list('profile_variants', [], 'Variants to profile (default: every JAX variant).')
   flags.DEFINE_enum(
-      'conv_impl', 'auto', ['auto', 'xla', 'im2col'],
+      'conv_impl', 'auto', ['auto', 'xla', 'im2col', 'packed', 'measured'],
       "config.conv_impl of the JAX variants: 'im2col' (slices + one matmul) turns a stacked round's "
       'per-client convolutions into batched matmuls instead of grouped convolutions '
-      '(docs/notes/performance.md#perf-50).')
+      "(docs/notes/performance.md#perf-50); 'packed' keeps the stacked clients' activations "
+      "[N, H, W, K*C] (core/packing.py); 'measured' times each convolution's implementations once "
+      '(core/conv_choice.py) and the output lists every convolution\'s candidate times '
+      '(docs/notes/performance.md#perf-53).')
   flags.DEFINE_string(
       'cache_dir', '', 'JAX\'s persistent compilation cache for the timed programs '
       '(fedjax_ssl/core/compilation.py): a second benchmark process with the same folder loads '
@@ -808,6 +811,10 @@ def main(argv):
   except compilation.CacheError as e:
     raise cv.ConfigError(str(e).replace('cache_dir =', '--cache_dir =')) from None
   rows = {'scale': run_scale, 'conv_layers': run_conv_layers}.get(FLAGS.setting, run)()
+  if conv_choice.recorded():  # conv_impl='measured': each convolution's candidates and choice
+    print('--- conv_impl=measured, per convolution (K clients, shapes | candidate ms -> choice):')
+    print('\n'.join(conv_choice.text()))
+    rows[0]['conv_choices'] = conv_choice.recorded()
   with open(FLAGS.out, 'w') as f:
     json.dump({'info': rows[0], 'rows': rows[1:]}, f, indent=2)
   print(f'wrote {FLAGS.out}')

@@ -17,6 +17,12 @@
 #                                     # conv_impl='im2col' (batched matmuls) and the default, each
 #                                     # beside the union-batch PyTorch model (XLA's NCHW layout:
 #                                     # no gain, PERF-52)
+#   bash scripts/gpu_check.sh packed  # issue 65 items 1-2: the same round (vmap, bf16) with
+#                                     # conv_impl='packed' (activations [N,H,W,K*C] across layers)
+#                                     # beside the union-batch PyTorch model, then 'measured' (each
+#                                     # convolution timed as grouped / loop / vmap once, its choice
+#                                     # in CACHE/conv_impl.json, copied back); the anchor ('xla',
+#                                     # the default) is part conv's `default` stage (PERF-53)
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
@@ -37,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-core}
-case "$PART" in core|conv|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, extra, auto or export" >&2; exit 1;; esac
+case "$PART" in core|conv|packed|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, packed, extra, auto or export" >&2; exit 1;; esac
 OUT=${OUT:-docs/results/gpu/check_$PART}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_$PART.log") 2>&1
@@ -55,9 +61,9 @@ CACHE=$(mktemp -d /tmp/fedjax_ssl_cache.XXXX)  # a cold cache: the first compile
 # Dense peaks of the H100 / H200 SXM (the same chip): TF32 ~495 TFLOP/s (XLA's and PyTorch's
 # float32 matmuls and convolutions run as TF32), bf16 ~989.
 PEAKS=${PEAKS:-495,989}
-M=resnet18 C=10 C100=100 E=5 B=64 B128=128 R=3 IMAGES=640 TRAIN_ARGS=()
+M=resnet18 C=10 C100=100 E=5 B=64 B128=128 R=3 IMAGES=640 TRAIN_ARGS=() UNION=(--torch_variants=torch_union)
 if [ "${SMOKE:-0}" = 1 ]; then
-  M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16
+  M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16 UNION=(--notorch)
   TRAIN_ARGS=(--config.encoder=mlp --config.num_clients=3 --config.clients_per_round=3
               --config.train_size=96 --config.rounds=1 --config.heads=custom)
 fi
@@ -121,6 +127,22 @@ conv)
     --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
     --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" \
     --torch_variants=torch,torch_union --out="$OUT/conv_default.json"
+  ;;
+packed)
+  # Issue 65 item 1: one compile (cold, measured) and R timed rounds beside the union-batch model.
+  stage packed 150 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=packed \
+    "${UNION[@]}" --cache_dir="$CACHE" --out="$OUT/conv_packed.json"
+  # Item 2: the first trace times every convolution equation's candidates (ResNet-18: ~60, each
+  # three small compiles), prints them and stores the choices; then the round as chosen.
+  stage measured 200 "$PY" -m experiments.benchmark --models=$M --clients=$C \
+    --augmentations=flip --local_steps=$E --batch_size=$B --repeats=$R \
+    --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=measured \
+    --notorch --cache_dir="$CACHE" --out="$OUT/conv_measured.json"
+  cp "$CACHE/conv_impl.json" "$OUT/conv_impl_choices.json" 2>/dev/null
+  # Issue 65 item 4 (jax.export, worktree i65b) adds its timing stage here: the exported round
+  # loaded and run against this part's compile, with --cache_dir="$CACHE".
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \

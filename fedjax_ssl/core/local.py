@@ -14,7 +14,8 @@ until the longest one is done (masked no-op steps for the others). `train_client
 batching rule instead (`jax.custom_batching.custom_vmap`, `_lanes_rule`): the participants are
 sorted by step count and trained in phases of shrinking static width (`lane_widths`); a phase runs
 until so few clients are left that the next, narrower phase holds them all. The batched step is
-the same step, so the numbers are those of the unbatched loop. The step is not wrapped in a
+the same step, so the numbers are those of the unbatched loop. A model with conv_impl='packed'
+has the batched step evaluated in the client-packed layout (core/packing.py). The step is not wrapped in a
 `lax.cond` inside a `scan`: XLA does not merge identical work inside such a branch (docs/notes/
 performance.md#scan-vs-step).
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from fedjax_ssl.core import rng
+from fedjax_ssl.core import packing, rng
 
 
 def steps_per_epoch(n: jax.Array, batch_size: int, drop_last: bool = True) -> jax.Array:
@@ -109,6 +110,12 @@ class _TracedOnce:
       self._jaxprs[key] = (closed, jax.tree_util.tree_structure(shape))
     closed, out_tree = self._jaxprs[key]
     return jax.tree_util.tree_unflatten(out_tree, jax_core.jaxpr_as_fun(closed)(*flat))
+
+  def packed(self) -> bool:
+    """Whether a traced step has a client-packed convolution (core/packing.py)."""
+    return any(packing.has_call(closed, packing.PACKED_CONV)
+               or packing.has_call(closed, packing.MEASURED_CONV)
+               for closed, _ in self._jaxprs.values())
 
 
 def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, offset: jax.Array,
@@ -200,7 +207,10 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
       todo = sorted_steps[head]
 
       def body(carry, lane=lane, shared=shared, todo=todo):
-        new = jax.vmap(lane_step, in_axes=(0, 0, other_axes))(carry, lane, shared)
+        # The client-packed layout for conv_impl='packed' / 'measured' (packing.py), else jax.vmap
+        # (decided on the step's unbatched trace, so the default path traces nothing more).
+        vmap = packing.vmap if traced_once.packed() else jax.vmap
+        new = vmap(lane_step, in_axes=(0, 0, other_axes))(carry, lane, shared)
         live = carry[0] < todo  # a finished client keeps its state bit for bit
         return jax.tree_util.tree_map(
             lambda a, b: jnp.where(live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, carry)

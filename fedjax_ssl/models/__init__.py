@@ -4,8 +4,9 @@
   feature_dim('resnet18')                         # 512
   model = SSLModel(enc, *make_heads('fedu2'))     # params['encoder'], ['projector'], ['predictor']
 
-Every encoder takes `conv_impl` ('auto' | 'xla' | 'im2col', see layers.Conv); 'auto' uses im2col
-on CPU and XLA's convolution elsewhere. Every encoder and head takes `dtype`, the compute dtype
+Every encoder takes `conv_impl` ('auto' | 'xla' | 'im2col' | 'packed' | 'measured', see
+layers.Conv; the last two only where there are convolutions); 'auto' uses im2col on CPU and XLA's
+convolution elsewhere. Every encoder and head takes `dtype`, the compute dtype
 (`compute_dtype(config.precision)`: None for float32, bfloat16); parameters stay float32 and
 outputs are at least float32.
 """
@@ -73,6 +74,9 @@ def get_encoder(name: str, **overrides) -> nn.Module:
     raise ValueError(f'encoder {name!r} has no attribute(s) {unknown}; allowed: {allowed}')
   if overrides.get('conv_impl', 'auto') not in layers.CONV_IMPLS:
     raise ValueError(f"conv_impl={overrides['conv_impl']!r}; allowed: {layers.CONV_IMPLS}")
+  if overrides.get('conv_impl') in layers.PACKED_IMPLS and not getattr(spec.cls, 'CONVOLUTIONS', True):
+    raise ValueError(f"conv_impl={overrides['conv_impl']!r} lays out convolutions, and encoder "
+                     f"{name!r} has none; allowed for it: 'auto', 'xla', 'im2col'")
   return spec.cls(**{**spec.defaults, **overrides})
 
 

@@ -10,6 +10,11 @@ flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable 
 im2col wins through the gradients; a program that is never differentiated (feature extraction)
 is faster with XLA's own convolution, which `inference_convs()` selects for 'auto'.
 
+'packed' and 'measured' are XLA's convolution per client, marked so that where the engine vmaps a
+local step over clients the whole step runs in the client-packed layout [N, H, W, K*C]
+(core/packing.py; 'measured': each convolution's implementation timed once, core/conv_choice.py;
+docs/notes/performance.md#perf-53).
+
 Precision: every layer takes `dtype`, the compute dtype of its matmul / convolution and output
 (None: the dtype of its input and parameters, i.e. float32, or float64 in the x64 tests).
 Parameters are float32 whatever `dtype` is; `compute_dtype(config.precision)` gives the dtype, and
@@ -34,7 +39,10 @@ import numpy as np
 
 from fedjax_ssl.ops.numerics import as_float  # noqa: F401  (the modules' output cast, layers.as_float)
 
-CONV_IMPLS = ('auto', 'xla', 'im2col')
+CONV_IMPLS = ('auto', 'xla', 'im2col', 'packed', 'measured')
+# Implementations that take effect where the local step is vmapped over clients (core/packing.py):
+# per client they are XLA's convolution.
+PACKED_IMPLS = ('packed', 'measured')
 
 # config.precision -> compute dtype of convolutions, matmuls and activations. 'float32' is None, not
 # jnp.float32: no cast at all, so a float32 run computes bit for bit what it did before the key
@@ -99,8 +107,9 @@ def inference_convs() -> Iterator[None]:
 
 
 def resolve_conv_impl(conv_impl: str) -> str:
-  """Maps `conv_impl` to 'xla' or 'im2col'; 'auto' picks 'im2col' on the CPU backend, else 'xla'
-  (and 'xla' inside `inference_convs`).
+  """Maps `conv_impl` to 'xla', 'im2col' or 'packed'; 'auto' picks 'im2col' on the CPU backend,
+  else 'xla' (and 'xla' inside `inference_convs`); 'packed' and 'measured' give 'packed' (the
+  choice between them is made where the clients are vmapped, core/packing.py).
 
   Resolved at trace time, so the same module definition is fast on CPU and uses cuDNN/TPU
   convolutions elsewhere.
@@ -109,7 +118,7 @@ def resolve_conv_impl(conv_impl: str) -> str:
     raise ValueError(f'conv_impl={conv_impl!r}; allowed: {CONV_IMPLS}')
   if conv_impl == 'auto':
     return 'im2col' if jax.default_backend() == 'cpu' and not _INFERENCE.get() else 'xla'
-  return conv_impl
+  return 'packed' if conv_impl in PACKED_IMPLS else conv_impl
 
 
 def _pair(value: Union[int, Sequence[int]], name: str) -> Tuple[int, int]:
@@ -186,6 +195,40 @@ def im2col_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
   return y.reshape(b, ho, wo, cout)
 
 
+def xla_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
+             pads: Tuple[Tuple[int, int], Tuple[int, int]]) -> jax.Array:
+  """lax.conv_general_dilated of x [B, H, W, cin] and kernel [kh, kw, cin, cout] -> [B, Ho, Wo, cout]
+  in their promoted dtype (as im2col's matmul: a float32 image meets float64 weights under x64)."""
+  dt = jnp.result_type(x, kernel)
+  return jax.lax.conv_general_dilated(x.astype(dt), kernel.astype(dt), strides, pads,
+                                      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+
+
+def fedjax_ssl_packed_conv(x, kernel, strides, pads):
+  return xla_conv(x, kernel, strides, pads)
+
+
+def fedjax_ssl_measured_conv(x, kernel, strides, pads):
+  return xla_conv(x, kernel, strides, pads)
+
+
+# The jits' names (the functions') mark a program for the client-packed vmap of core/packing.py
+# (its PACKED_CONV and MEASURED_CONV).
+_packed_conv = jax.jit(fedjax_ssl_packed_conv, static_argnums=(2, 3))
+_measured_conv = jax.jit(fedjax_ssl_measured_conv, static_argnums=(2, 3))
+
+
+def packed_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
+                pads: Tuple[Tuple[int, int], Tuple[int, int]], measured: bool = False
+                ) -> jax.Array:
+  """conv_impl='packed' ('measured' with `measured`): XLA's convolution [B, H, W, cin] x
+  [kh, kw, cin, cout] -> [B, Ho, Wo, cout] inside a jit named core.packing.PACKED_CONV
+  (MEASURED_CONV), so that a local step vmapped over clients (core/local.py) runs the program's
+  convolutions in the client-packed layout (each by its measured implementation)."""
+  fn = _measured_conv if measured else _packed_conv
+  return fn(x, kernel, tuple(strides), tuple(tuple(p) for p in pads))
+
+
 @jax.custom_vjp
 def patch_matmul(cols: jax.Array, kmat: jax.Array) -> jax.Array:
   """cols [M, K] @ kmat [K, N] -> [M, N], with a gradient that XLA:CPU runs as plain GEMMs.
@@ -228,7 +271,9 @@ class Conv(nn.Module):
     use_bias: add a 'bias' [features] parameter.
     kernel_init: initialiser of 'kernel' [kh, kw, cin, features]; PyTorch default.
     bias_init: initialiser of 'bias'; None = PyTorch default U(+-1/sqrt(kh*kw*cin)).
-    conv_impl: 'auto' | 'xla' (lax.conv_general_dilated) | 'im2col' (slices + one matmul).
+    conv_impl: 'auto' | 'xla' (lax.conv_general_dilated) | 'im2col' (slices + one matmul) |
+      'packed' / 'measured' (XLA's per client; stacked clients in the packed layout or the
+      measured choice per convolution, core/packing.py).
     dtype: compute dtype of the convolution and of the output (None: the input's and kernel's).
   Input [..., H, W, cin] float; output [..., Ho, Wo, features], float32 parameters.
   """
@@ -254,8 +299,9 @@ class Conv(nn.Module):
     kernel = self.param('kernel', self.kernel_init, (kh, kw, cin, self.features), jnp.float32)
     x4, kernel = cast(self.dtype, x.reshape((-1, h, w, cin)), kernel)
     if impl == 'xla':
-      y = jax.lax.conv_general_dilated(x4, kernel, strides, pads,
-                                       dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      y = xla_conv(x4, kernel, strides, pads)
+    elif impl == 'packed':
+      y = packed_conv(x4, kernel, strides, pads, measured=self.conv_impl == 'measured')
     else:
       y = im2col_conv(x4, kernel, strides, pads)
     if self.use_bias:

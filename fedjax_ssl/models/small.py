@@ -78,6 +78,7 @@ class MLP(nn.Module):
   features: Sequence[int] = (512, 256, 128)
   conv_impl: str = 'auto'  # accepted for a uniform encoder interface; the MLP has no convolution
   dtype: Optional[Any] = None
+  CONVOLUTIONS = False  # so conv_impl 'packed' / 'measured' (a convolution layout) is refused
 
   @property
   def feature_dim(self) -> int:
@@ -88,6 +89,9 @@ class MLP(nn.Module):
     del train
     layers.check_nhwc(x)
     layers.resolve_conv_impl(self.conv_impl)  # reject an invalid value like the conv encoders do
+    if self.conv_impl in layers.PACKED_IMPLS:
+      raise ValueError(f'conv_impl={self.conv_impl!r} lays out convolutions and the MLP has none; '
+                       "allowed for it: 'auto', 'xla', 'im2col'")
     x = x.reshape(x.shape[0], -1)
     for i, f in enumerate(self.features):
       x = nn.relu(layers.Dense(f, dtype=self.dtype, name=f'fc{i + 1}')(x))

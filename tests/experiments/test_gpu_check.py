@@ -60,9 +60,28 @@ def test_export_part_second_run_loads_its_round_untraced(tmp_path):
   assert '=== export_second: exit 0' in log and '.jaxexport' in log
 
 
+@pytest.mark.slow
+def test_packed_part_times_packed_and_measured_and_brings_back_the_choices(tmp_path):
+  env = dict(subprocess_env.binary_env(), SMOKE='1', OUT=str(tmp_path), PYTHON=sys.executable)
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'packed'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == [
+      'check_packed.log', 'conv_impl_choices.json', 'conv_measured.json', 'conv_packed.json',
+      'env_packed.json']
+  measured = json.loads((tmp_path / 'conv_measured.json').read_text())
+  choices = json.loads((tmp_path / 'conv_impl_choices.json').read_text())
+  # small_cnn: two convolutions, their kernel gradients and conv2's input gradient.
+  assert len(choices) == 5 and set(measured['info']['conv_choices']) == set(choices)
+  assert json.loads((tmp_path / 'conv_packed.json').read_text())['info']['conv_impl'] == 'packed'
+  log = (tmp_path / 'check_packed.log').read_text()
+  assert '=== packed: exit 0' in log and '=== measured: exit 0' in log
+  assert log.count(' -> ') >= 5  # every convolution's candidate times and choice
+
+
 def test_unknown_part_is_one_error_line(tmp_path):
   out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
   assert out.stderr.strip() == (
-      "error: part = 'all' is invalid: must be core, conv, extra, auto or export")
+      "error: part = 'all' is invalid: must be core, conv, packed, extra, auto or export")
