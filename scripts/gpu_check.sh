@@ -141,8 +141,6 @@ packed)
     --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=measured \
     --notorch --cache_dir="$CACHE" --out="$OUT/conv_measured.json"
   cp "$CACHE/conv_impl.json" "$OUT/conv_impl_choices.json" 2>/dev/null
-  # Issue 65 item 4 (jax.export, worktree i65b) adds its timing stage here: the exported round
-  # loaded and run against this part's compile, with --cache_dir="$CACHE".
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \
