@@ -176,7 +176,10 @@ def test_block_runs(block, tmp_path):
     (tmp_path / 'block.py').write_text(code)
     argv, cwd = [sys.executable, str(tmp_path / 'block.py')], tmp_path
   else:
-    code = re.sub(r'(?<![\w/$])DIR\b', str(tmp_path / 'DIR'), code)
+    # Each command gets its own output folder, as a user running two tables would.
+    lines = code.split('\n')
+    code = '\n'.join(re.sub(r'(?<![\w/$])DIR\b', str(tmp_path / f'DIR{i}'), l)
+                     for i, l in enumerate(lines))
     argv, cwd = ['bash', '-euo', 'pipefail', '-c', code], docs_blocks.REPO
   start = time.monotonic()
   done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
