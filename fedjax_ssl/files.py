@@ -52,19 +52,7 @@ def writing(path: os.PathLike | str) -> Iterator[None]:
 
 def write_bytes(path: os.PathLike | str, data: bytes) -> None:
   """Writes `data` to `path` atomically (module docstring)."""
-  path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + '.', suffix='.tmp')
-  try:
-    with os.fdopen(fd, 'wb') as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  write_stream(path, lambda f: f.write(data))
 
 
 def write_text(path: os.PathLike | str, text: str) -> None:

@@ -171,7 +171,7 @@ def test_a_bad_strategy_candidate_list_is_one_error_line(tmp_path):
     ('--config.strategy=pmap', "error: config.strategy = 'pmap' is invalid"),
     # ml_collections raises a bare AttributeError inside absl's flag parsing for these two.
     ('--config.bogus_key=3', "error: unknown config key 'config.bogus_key' in "
-                             "--config.bogus_key=3; known keys at config: ['algorithm', 'alpha',"),
+                             "--config.bogus_key=3; known keys at config: ['algorithm', 'align_uniform', 'alpha',"),
     ('--config.knn_kk=3', "error: unknown config key 'config.knn_kk' in --config.knn_kk=3 (did you "
                           "mean 'config.knn_k'?); known keys at config: ['algorithm',"),
     # Used to pass validation and fail at the random-init evaluation, after loading and compiling.
