@@ -312,7 +312,7 @@ def _tfds_prepare_settings():
   * Without TensorFlow, images are PNG-encoded with PIL (tfds calls tf.image.encode_png).
   * Download retries: tfds retries a failed request 10 times with exponential back-off (minutes
     on an offline machine before the error); _DOWNLOAD_RETRIES keeps a transient failure covered
-    and makes an offline machine fail within seconds (2.8 s measured without DNS), and urllib3's
+    and makes an offline machine fail within seconds (docs/notes/data.md#data-10), and urllib3's
     warning per retry stays off the console.
   """
   from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top

@@ -10,7 +10,7 @@ Uniformity in Federated Unsupervised Learning", ICCV 2025; official code github:
   scaling_vectors    the per-client vectors d_k: alpha on floor(D/K) disjoint dimensions, 1 elsewhere
   orthogonal_basis   the shared random orthogonal basis Q (QR of a Gaussian), or the identity
 
-The spec with its decisions is /work/shared/specs/ssd.md; docs/notes/ssd.md records ours.
+The decisions, with the paper's and the code's alternatives: docs/notes/ssd.md.
 """
 from __future__ import annotations
 
