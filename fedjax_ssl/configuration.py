@@ -214,6 +214,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('probe', config.probe, PROBES)
   cv.check_int_range('label_draws', config.label_draws, 1, 1_000)
   cv.check_int_range('knn_k_small', config.knn_k_small, 0, 10_000_000)
+  if config.probe == 'logistic' and config.knn_k_small and config.knn_k_small == config.knn_k:
+    raise cv.ConfigError(f'config.knn_k_small = {config.knn_k_small} is invalid: equal to '
+                         'config.knn_k it reports the same kNN twice; use another k or 0 (none)')
   _check_fractions('label_fractions', config.label_fractions, '(1.0, 0.1, 0.01)')
   cv.check_choice('finetune', config.finetune, FINETUNES)
   _check_fractions('finetune_fractions', config.finetune_fractions, '(0.01, 0.1)')

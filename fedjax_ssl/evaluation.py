@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import algorithms
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
@@ -215,6 +216,22 @@ def protocol_metrics(config: ml_collections.ConfigDict, train_f: Any, test_f: An
       dataset.num_classes, fractions=tuple(float(f) for f in config.label_fractions),
       draws=config.label_draws, seed=config.seed, knn_k=ks,
       knn_temperature=config.knn_temperature)
+
+
+def check_protocol_plan(config: ml_collections.ConfigDict, dataset: Dataset) -> None:
+  """cv.ConfigError when config.label_fractions cannot be evaluated on `dataset`'s training labels
+  (a fraction whose labelled subset leaves the probe's held-out split empty): the labels are known
+  once the data is loaded, before the first evaluation or round."""
+  if config.probe != 'logistic':
+    return
+  try:
+    fs_protocol.fraction_plans(dataset.train_y, dataset.num_classes,
+                               tuple(float(f) for f in config.label_fractions))
+  except ValueError as e:
+    raise cv.ConfigError(
+        f'config.label_fractions = {tuple(config.label_fractions)!r} is invalid for the '
+        f'{len(dataset.train_y)} labelled training images of {dataset.name} ({e}): drop the '
+        'smallest fraction or raise config.train_size') from None
 
 
 def has_raw_pixel_reference(config: ml_collections.ConfigDict) -> bool:

@@ -38,9 +38,9 @@ from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
 from fedjax_ssl.data.types import DataInfo, Dataset, FedData
 from fedjax_ssl.ssl import registry as ssl_registry
-from fedjax_ssl.evaluation import (encoder_features, evaluate, evaluation_key,  # noqa: F401
-                                   finetune_keys, has_raw_pixel_reference, raw_pixel_key,
-                                   raw_pixel_metrics)
+from fedjax_ssl.evaluation import (check_protocol_plan, encoder_features, evaluate,  # noqa: F401
+                                   evaluation_key, finetune_keys, has_raw_pixel_reference,
+                                   raw_pixel_key, raw_pixel_metrics)
 
 
 def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
@@ -68,6 +68,7 @@ def load_data(config: ml_collections.ConfigDict) -> Dataset:
       mean, std = sources.channel_stats(ds.train_x[:config.train_size])
     ds = dataclasses.replace(ds, train_x=ds.train_x[:config.train_size],
                              train_y=ds.train_y[:config.train_size], mean=mean, std=std)
+  check_protocol_plan(config, ds)
   return ds
 
 

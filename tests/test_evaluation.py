@@ -95,6 +95,26 @@ def test_bad_evaluation_settings_are_refused_before_compute(overrides, message):
     experiment.validate_config(_config(**overrides))
 
 
+def test_a_fraction_without_a_held_out_split_is_refused_when_the_data_loads():
+  # 0.0167 of 600 = 10 labelled images over 10 classes passes validate_config (>= the classes) but
+  # the probe's held-out split is empty (a class keeps one image to fit): refused by load_data,
+  # before the first evaluation, instead of a traceback at round 0.
+  config = _config(label_fractions=(1.0, 0.0167))
+  experiment.validate_config(config)
+  with pytest.raises(cv.ConfigError, match=(
+      r'^config.label_fractions = \(1.0, 0.0167\) is invalid for the 600 labelled training images '
+      r'of fashion_mnist_subset \(label fraction 0.0167: holdout = 0.1 of 10 labelled images holds '
+      r'out none .*\): drop the smallest fraction or raise config.train_size$')):
+    experiment.load_data(config)
+  experiment.load_data(_config(label_fractions=(1.0, 0.1)))   # 60 labelled: 6 held out
+
+
+def test_knn_k_small_equal_to_knn_k_is_refused():
+  with pytest.raises(cv.ConfigError, match=r'^config.knn_k_small = 50 is invalid: equal to '
+                                           r'config.knn_k it reports the same kNN twice'):
+    experiment.validate_config(_config(knn_k_small=50))
+
+
 def test_finetune_fractions_are_only_checked_against_the_data_when_fine_tuning():
   experiment.validate_config(_config(finetune='none', finetune_fractions=(0.01,)))
 

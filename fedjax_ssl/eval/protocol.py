@@ -382,6 +382,25 @@ def _mean_std(values: List[float], prefix: str, out: Dict[str, float], with_std:
     out[f'{prefix}_std'] = float(np.std(values))
 
 
+def fraction_plans(train_y: Any, num_classes: int, fractions: Sequence[float], *,
+                   probe: bool = True, cs: Sequence[float] = DEFAULT_CS,
+                   holdout: float = DEFAULT_HOLDOUT) -> List[Tuple[float, np.ndarray]]:
+  """[(fraction, int [K] labelled images per class)] for train_y [N]; ValueError, before any
+  features exist, when a fraction leaves the probe's held-out split (its C selection, used when cs
+  holds more than one value) empty. Callers check this as soon as the labels are loaded."""
+  labels = np.asarray(train_y)
+  plans = []
+  for f in fractions:
+    counts = subset_counts(labels, num_classes, f)
+    if probe and np.size(cs) > 1:
+      try:
+        holdout_counts(np.repeat(np.arange(num_classes), counts), num_classes, holdout)
+      except ValueError as e:
+        raise ValueError(f'label fraction {f:g}: {e}') from None
+    plans.append((f, counts))
+  return plans
+
+
 def evaluate_features(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_classes: int, *,
                       fractions: Sequence[float] = DEFAULT_FRACTIONS, draws: int = 3,
                       seed: int = 0, knn_k: Sequence[int] = (200, 20),
@@ -431,15 +450,8 @@ def evaluate_features(train_f: Any, train_y: Any, test_f: Any, test_y: Any, num_
       raise ValueError(f'max_iter = {max_iter!r} / tol = {tol!r} are invalid: need an integer '
                        'max_iter >= 1 and tol > 0')
   labels = np.asarray(train_y)
-  plans = []
-  for f in fractions:
-    counts = subset_counts(labels, num_classes, f)
-    if probe and grid.size > 1:
-      try:
-        holdout_counts(np.repeat(np.arange(num_classes), counts), num_classes, holdout)
-      except ValueError as e:
-        raise ValueError(f'label fraction {f:g}: {e}') from None
-    plans.append((f, counts))
+  plans = fraction_plans(labels, num_classes, fractions, probe=probe, cs=grid if probe else (1.0,),
+                         holdout=holdout)
 
   out: Dict[str, float] = {}
   records = []
