@@ -2,7 +2,7 @@
 configured federated run in a run directory and returns its results; `experiments/train.py` is only
 its flags and process set-up. Research code calls it (or its pieces) the same way:
 
-  from fedjax_ssl import training
+  from fedjax_ssl.runs import training
   results = training.train_and_evaluate(config, '/tmp/run', cache_dir=compilation.enable_cache())
 
 Inside the workdir's lock and stop-signal handling, `train_and_evaluate` is five stages, each a
@@ -14,9 +14,8 @@ closing lines).
 
 The files of WORKDIR are named, read and written by one object, `run_dir.RunDir`; what a run
 survives and how a resume stays exact are in the binary's docstring (experiments/train.py) and
-docs/DESIGN.md §12-13. Reference rows shared across runs
-(`raw_pixel_reference`, the random-init evaluation) go through CACHE_DIR/references, and
-`reference_evaluations` evaluates them for a config without training (experiments.reproduce).
+docs/DESIGN.md §12-13. Reference rows shared across runs (the raw-pixel row, the random-init
+evaluation) go through CACHE_DIR/references (`runs.shared_references`).
 """
 from __future__ import annotations
 
@@ -32,16 +31,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedjax_ssl import (algorithms, checkpoint, configuration, experiment, files, logging_utils, plotting,
-                        run_guard)
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl import algorithms, configuration, experiment, files
+from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, plotting, resuming,
+                             run_guard, shared_references, signals)
+from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import compilation, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import partition
 from fedjax_ssl.data.info import DatasetInfo
 
-REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
 
 
 def _stored_strategy(rundir: RunDir, ckpt: checkpoint.Checkpointer, chunk: int) -> dict | None:
@@ -136,7 +135,8 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
   lines reach the console. bar_position places the rounds bar under an outer bar (tqdm `position`).
   Library logs go to WORKDIR/train.log (appended on resume), whatever `verbose`. `restart` and
   `allow_config_change` are the binary's flags of those names. `reference_cache`: a directory
-  where runs that read the same pixels share the raw-pixel reference (`raw_pixel_reference`).
+  where runs that read the same pixels share the raw-pixel reference
+  (`shared_references.raw_pixel_reference`).
   `cache_dir`: the folder of `compilation.enable_cache` (the binaries' --cache_dir), where
   `strategy='auto'` keeps its measured choices and, under references/ unless `reference_cache` is
   given, the reference evaluations (random-init encoder, raw pixels) runs of equal inputs share;
@@ -145,10 +145,10 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
   Returns process 0's results ("status": "completed", or "diverged" when a round became non-finite:
   the run stopped there); the other processes return only the status. Raises
   `run_guard.RunStateError` (a ConfigError) when the workdir refuses the run, and
-  `run_guard.Preempted` (a SystemExit) after a stop signal once the round's checkpoint is saved.
+  `signals.Preempted` (a SystemExit) after a stop signal once the round's checkpoint is saved.
   """
   if reference_cache is None and cache_dir is not None:
-    reference_cache = str(pathlib.Path(cache_dir) / REFERENCES)
+    reference_cache = str(pathlib.Path(cache_dir) / shared_references.REFERENCES)
   with logging_utils.RunLog() as log:
     experiment.validate_config(config)
     if strategies.multi_process() and strategies.resolve_strategy(config.strategy) != 'shard':
@@ -159,9 +159,9 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
     rundir.path.mkdir(parents=True, exist_ok=True)
     process = jax.process_index()
     primary = process == 0
-    with run_guard.WorkdirLock(rundir.lock_file(process)) as lock:
+    with lock.WorkdirLock(rundir.lock_file(process)) as held:
       try:
-        warning, refused = lock.acquire(), None
+        warning, refused = held.acquire(), None
       except run_guard.RunStateError as e:
         warning, refused = None, e
       if run_guard.agree_max(refused is not None):  # every process refuses if one does
@@ -170,7 +170,7 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
       log.open(rundir.log_file(process))
       if warning:
         run_guard.report(warning, echo=primary)
-      with run_guard.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
+      with signals.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
         try:
           return _run(config, rundir, ckpt, stop, verbose=verbose and primary,
                       bar_position=bar_position, primary=primary, restart=restart,
@@ -245,7 +245,7 @@ class Run:
 
 
 def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer,
-         stop: run_guard.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
+         stop: signals.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
          restart: bool, allow_config_change: bool, reference_cache: str | None,
          cache_dir) -> dict:
   # Every compile before round 1 (initial state, references): with the round's own, the compile
@@ -272,15 +272,15 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: boo
   logging_utils.say(f'workdir {rundir.path}; config '
                     f'{json.dumps(config.to_dict(), sort_keys=True)}', echo=False)
   # Resuming continues the workdir's run: refuse another config before loading anything.
-  stored = run_guard.stored_config(rundir)
-  changes = run_guard.config_changes(stored, config) if stored is not None else {}
+  stored = resuming.stored_config(rundir)
+  changes = resuming.config_changes(stored, config) if stored is not None else {}
   if changes and ckpt.all_rounds():  # DP-FedAvg's ledger: no change, even when allowed
-    run_guard.refuse_dp_changes(changes, algorithms.registry.dp_enabled(config))
+    resuming.refuse_dp_changes(changes, algorithms.registry.dp_enabled(config))
   if changes and ckpt.all_rounds() and not allow_config_change:
-    run_guard.refuse_changed_config(rundir, changes)
+    resuming.refuse_changed_config(rundir, changes)
   elif changes and not ckpt.all_rounds():
     run_guard.report(f'warning: the config differs from the workdir\'s config.json '
-                     f'({run_guard.format_changes(changes)}) and there is no checkpoint to '
+                     f'({resuming.format_changes(changes)}) and there is no checkpoint to '
                      'resume: starting over from round 0', echo=primary)
 
   known_before_loading = configuration.dataset_info(config) is not None
@@ -333,7 +333,7 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = Fa
   again."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return 0, state
-  restored = run_guard.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
+  restored = resuming.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
   if restored is not None:
     start, state, _ = restored
     run.say(f'resumed from the checkpoint of round {start} in {run.rundir.checkpoints}')
@@ -362,7 +362,7 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
     took = f'(from {random_init_path.name})'
   else:
     initial = _local(state if start == 0 else run.initial_state())
-    random_init, took = _shared_reference(
+    random_init, took = shared_references.shared_reference(
         reference_cache, 'random_init', run.primary,
         lambda: experiment.evaluation_key(config, run.algo, initial, run.dataset),
         lambda: experiment.evaluate(config, run.algo, initial, run.dataset))
@@ -376,9 +376,9 @@ def references(run: Run, state, start: int, *, reference_cache: str | None = Non
     run.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their '
             'mean image by construction (sources.make_synthetic)')
   elif experiment.has_raw_pixel_reference(config):  # the same probe, kNN, fine-tuning on pixels
-    raw_pixels, took = raw_pixel_reference(config, run.dataset, run.rundir,
-                                           reuse=not run.changes, shared_dir=reference_cache,
-                                           primary=run.primary)
+    raw_pixels, took = shared_references.raw_pixel_reference(
+        config, run.dataset, run.rundir, reuse=not run.changes, shared_dir=reference_cache,
+        primary=run.primary)
     run.say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
   return random_init, raw_pixels
 
@@ -422,20 +422,20 @@ def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.Metr
     if run.changes:  # --allow_config_change: the run goes on under the new values from here
       run.rundir.record_config_changes(start, run.changes)
       run.rundir.write_config(run.config)
-      run.say(f'config changed at round {start}: {run_guard.format_changes(run.changes)}')
+      run.say(f'config changed at round {start}: {resuming.format_changes(run.changes)}')
   return writer
 
 
-def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSignals, state,
+def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals, state,
                  start: int, random_init: dict, raw_pixels, *, bar_position: int = 0) -> Outcome:
   """Rounds start+1 .. config.rounds: each round's metrics row (evaluations every eval_every and at
   the last round), a checkpoint per checkpoint_every (always the last), a stop signal honoured
-  after the round's checkpoint (run_guard.Preempted), a divergence reported and recorded."""
+  after the round's checkpoint (signals.Preempted), a divergence reported and recorded."""
   config, algo, primary = run.config, run.algo, run.primary
   writer = _open_metrics(run, start, random_init)
   history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
-  param_names, params_finite = run_guard.make_finite_check(state.server)
-  watch = run_guard.DivergenceWatch(config.rounds, param_names, history)
+  param_names, params_finite = divergence.make_finite_check(state.server)
+  watch = divergence.DivergenceWatch(config.rounds, param_names, history)
   width = len(str(config.rounds))
   out = Outcome(state=state, writer=writer)
   bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
@@ -461,8 +461,8 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: run_guard.StopSi
     out.state = state
     failed = [int(i) for i in np.asarray(metrics.pop('failed_ids')) if i >= 0]
     record = {k: float(v) for k, v in metrics.items()}
-    diverged = (run_guard.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
-                                          config.max_failed_fraction)
+    diverged = (divergence.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
+                                           config.max_failed_fraction)
                 or watch.check(r + 1, record, params_finite(state.server)))
     if failed:
       record['failed_ids'] = failed
@@ -576,103 +576,6 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   return results
 
 
-def _shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
-  """(metrics, a note for the log line): SHARED_DIR/<name>-<key_fn()>.json when an earlier run
-  with the same key wrote it, else compute(), then written there by the primary process (no
-  SHARED_DIR: computed). An unreadable file is evaluated again, with a warning."""
-  shared = pathlib.Path(shared_dir) / f'{name}-{key_fn()}.json' if shared_dir else None
-  if shared is not None and shared.exists():
-    try:
-      return json.loads(shared.read_text()), f'(from {shared})'
-    except ValueError as e:
-      run_guard.report(f'warning: {shared} cannot be read ({e}): evaluating again', echo=primary)
-  t0 = time.time()
-  metrics = compute()
-  if primary and shared is not None:
-    shared.parent.mkdir(parents=True, exist_ok=True)
-    with files.writing(shared):
-      files.write_json(shared, metrics)
-  return metrics, f'({time.time() - t0:.1f}s)'
-
-
-def raw_pixel_reference(config, dataset, rundir: RunDir | None, *, reuse: bool,
-                        shared_dir=None, primary: bool = True):
-  """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
-  (the config that wrote config.json is unchanged), else SHARED_DIR/raw_pixels-<key>.json when an
-  earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
-  it is written to the run directory (which stands alone; rundir None: no run directory) and,
-  when computed, to shared_dir.
-
-  The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
-  images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
-  random-init encoder), and every row of a table at one seed reads the same pixels: the binaries
-  share it across runs through CACHE_DIR/references (`compilation.enable_cache`).
-  Returns (metrics dict, a note for the log line)."""
-  raw_path = rundir.raw_pixels_file if rundir is not None else None
-  if reuse and raw_path is not None and raw_path.exists():
-    return rundir.read_json(raw_path), f'(from {raw_path.name})'
-  metrics, took = _shared_reference(shared_dir, 'raw_pixels', primary,
-                                    lambda: experiment.raw_pixel_key(config, dataset),
-                                    lambda: experiment.raw_pixel_metrics(config, dataset))
-  if primary and raw_path is not None:
-    rundir.write_json(raw_path, metrics)
-  return metrics, took
-
-
-def reference_evaluations(config, reference_cache: str | None = None,
-                          memo: dict | None = None) -> tuple:
-  """(random_init, raw_pixels): the references a run of `config` records at round 0
-  (random_init.json and raw_pixels.json; raw_pixels None unless config.probe = 'logistic'),
-  evaluated the same way without training and without a workdir. For a table cell carried from an
-  older table.csv, which kept each seed's result but not its references
-  (`experiments.reproduce --recompute_references`).
-
-  `memo` ({`experiment.evaluation_key`: metrics}) shares one random-init evaluation between the
-  configs that evaluate equal variables on equal data; `reference_cache` is the raw-pixel cache
-  directory of `raw_pixel_reference`."""
-  experiment.validate_config(config)
-  dataset = experiment.load_data(config)
-  fed_data, _ = experiment.build_fed_data(config, dataset)
-  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
-  init_key, _ = experiment.run_keys(config)
-  state = rd.init_state(algo, init_key, config.num_clients, client_state=config.client_state)
-  memo = {} if memo is None else memo
-  key = experiment.evaluation_key(config, algo, state, dataset)
-  if key not in memo:
-    memo[key] = experiment.evaluate(config, algo, state, dataset)
-  raw_pixels = None
-  if experiment.has_raw_pixel_reference(config):  # as a run: `references`
-    raw_pixels, _ = raw_pixel_reference(config, dataset, None, reuse=False,
-                                        shared_dir=reference_cache)
-  return memo[key], raw_pixels
-
-
-def add_raw_pixel_reference(config, rundir: RunDir, reference_cache: str | None = None
-                            ) -> dict | None:
-  """Records the raw-pixel reference in a finished run that lacks it, training nothing: a run of
-  `config` (its config.json) finished before its reference metrics existed (fine-tuning's raw-pixel
-  row came later than the runs of the fine-tuning tables). The row depends on the data and the
-  protocol's settings only, not on the run, so evaluating it now gives what the run would have
-  recorded at round 0 (`raw_pixel_reference`, through the cross-run cache). Writes raw_pixels.json
-  and adds the metrics it lacked to results.json's 'raw_pixels' (every value it had is kept);
-  returns the metrics added, or None when the run had them all or records no raw-pixel reference."""
-  results = rundir.read_results()
-  if results is None:
-    raise ValueError(f'{rundir.path} holds no results.json: only a finished run gets references '
-                     'added (run it, or resume it, instead)')
-  had = results.get('raw_pixels')
-  if not experiment.has_raw_pixel_reference(config) or (
-      had is not None and set(experiment.finetune_keys(config)) <= set(had)):
-    return None  # nothing to add: checked before loading any data
-  dataset = experiment.load_data(config)
-  metrics, _ = raw_pixel_reference(config, dataset, None, reuse=False, shared_dir=reference_cache)
-  had = had or {}
-  added = {k: v for k, v in metrics.items() if k not in had}
-  rundir.write_json(rundir.raw_pixels_file, {**metrics, **had})
-  rundir.write_results({**results, 'raw_pixels': {**had, **added}})
-  return added or None
-
-
 def _reference_lines(keys, random_init: dict, raw_pixels) -> dict:
   """{metric: {label: value}}: the random-init encoder and (where measured) raw pixels, the dashed
   lines of metrics.png's accuracy panels."""
@@ -713,16 +616,16 @@ def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, recor
 
 
 def _stopped(signum: int, where: str, primary: bool):
-  """Reports a stop on `signum` and raises run_guard.Preempted (exit status 128 + signum)."""
+  """Reports a stop on `signum` and raises signals.Preempted (exit status 128 + signum)."""
   run_guard.report(f'stopped by {signal.Signals(signum).name} {where}; resume with the same '
-                   f'command: {run_guard.resume_command()}', echo=primary)
-  raise run_guard.Preempted(signum)
+                   f'command: {signals.resume_command()}', echo=primary)
+  raise signals.Preempted(signum)
 
 
-def _diverged(config, algo, diverged: run_guard.Divergence, random_init: dict, raw_pixels,
+def _diverged(config, algo, diverged: divergence.Divergence, random_init: dict, raw_pixels,
               rundir: RunDir, writer, primary: bool) -> dict:
   """Reports a divergence in one line and writes results.json with "status": "diverged"."""
-  run_guard.report(diverged.message(run_guard.divergence_hint(config.lr, config.grad_clip_norm)),
+  run_guard.report(diverged.message(divergence.divergence_hint(config.lr, config.grad_clip_norm)),
                    echo=primary)
   if not primary:
     return {'status': 'diverged'}

@@ -1,6 +1,6 @@
 """A table's statistics: the runs' results summarised per (cell, metric) over seeds, the verdicts
 of its claims, collapsed seeds (and single values at chance) taken out of every mean, cells carried from an earlier table.csv, and
-the per-seed references filled in. Definitions are `table_schema`; rendering is `table_render`."""
+the per-seed references filled in. Definitions are `tables.schema`; rendering is `tables.render`."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import configuration
-from fedjax_ssl.table_schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
-                                     cell_id, cohort_metric, metric_name, run_status)
+from fedjax_ssl.tables.schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
+                                      cell_id, cohort_metric, metric_name, run_status)
 
 def run_metric(metric: str, payload: Dict[str, Any],
                config: Optional[ml_collections.ConfigDict]) -> str:

@@ -14,7 +14,7 @@ harness and the binaries that read a finished run agree on them.
     error.json            a table's run that raised: its error and traceback (experiments.reproduce)
     metrics.png           the curves, with the reference rows as dashed lines
     train.log             the library's log (train.process<i>.log for process i > 0)
-    run.lock              the live run's lock (run.process<i>.lock; run_guard.WorkdirLock)
+    run.lock              the live run's lock (run.process<i>.lock; lock.WorkdirLock)
 
 Every write is atomic (`files.write_json`); a write that finds no room raises `files.DiskFull`
 naming the file.
@@ -28,7 +28,8 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import ml_collections
 
-from fedjax_ssl import checkpoint, configuration, files, logging_utils, run_identity
+from fedjax_ssl import configuration, files, run_identity
+from fedjax_ssl.runs import checkpoint, logging_utils
 
 
 @dataclasses.dataclass(frozen=True)
