@@ -8,9 +8,9 @@ import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from fedjax_ssl import run_identity
-from fedjax_ssl.runs import checkpoint
+from fedjax_ssl.runs import checkpoint, logging_utils
 from fedjax_ssl.runs.run_dir import RunDir
-from fedjax_ssl.runs.run_guard import RunStateError, agree_max, report
+from fedjax_ssl.runs.run_guard import RunStateError, agree_max
 
 # Keys a resume may change freely (run_identity.NEUTRAL_KEYS); every other key the run depends on
 # must match its stored config.json (the keys a config ignores never count: `run_identity.run_key`).
@@ -91,15 +91,17 @@ def refuse_changed_config(rundir: RunDir, changes: Mapping[str, Tuple[Any, Any]]
 # ----------------------------------------------------------------------------------------------
 # Unreadable checkpoints
 # ----------------------------------------------------------------------------------------------
-def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *, echo: bool,
-                          primary: bool) -> Optional[Tuple[int, Any, dict]]:
+def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *,
+                          console: Optional[logging_utils.Console] = None, moves: bool = True
+                          ) -> Optional[Tuple[int, Any, dict]]:
   """The newest checkpoint that restores, as `Checkpointer.restore` returns it; None when none does.
 
-  Each newer one that cannot be read back is reported in one line (round, file, error) and moved
-  aside to `<checkpoints>/corrupt/<round>` (by process 0; every process agrees first), never
-  deleted. A checkpoint of another state layout (`ValueError`, e.g. a changed model) is not
+  Each newer one that cannot be read back is reported in one line (round, file, error; on
+  `console`, by default this process's) and moved aside to `<checkpoints>/corrupt/<round>` (by the
+  process that `moves`, process 0; every process agrees first), never deleted. A checkpoint of another state layout (`ValueError`, e.g. a changed model) is not
   unreadable: it propagates.
   """
+  console = console or logging_utils.Console()
   for round_idx in reversed(ckpt.all_rounds()):
     try:
       restored, failure = ckpt.restore(template, round_idx), None
@@ -107,10 +109,11 @@ def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *, echo:
       restored, failure = None, e
     if not agree_max(failure is not None):
       return restored
-    where = f'moved to {ckpt.move_aside(round_idx)}' if primary else 'moved aside by process 0'
+    where = f'moved to {ckpt.move_aside(round_idx)}' if moves else 'moved aside by process 0'
     agree_max(0)  # a barrier: process 0 has moved it before anyone lists the rounds again
-    if not primary:
+    if not moves:
       ckpt.reload()
-    cause = str(failure) if failure else f'checkpoint of round {round_idx} is unreadable on another process'
-    report(f'warning: {cause}; {where}; trying the previous checkpoint', echo=echo)
+    cause = (str(failure) if failure else
+             f'checkpoint of round {round_idx} is unreadable on another process')
+    console.report(f'warning: {cause}; {where}; trying the previous checkpoint')
   return None

@@ -2,8 +2,8 @@
 checkpoint and a changed config on resume (`resuming`) and a second run on the same workdir
 (`lock`). `runs.training` composes these pieces; each is small and tested alone
 (tests/runs/test_run_guard.py) and end to end (tests/experiments/test_train_faults.py). This module
-holds what they share: the exit statuses, `RunStateError`, the fault line (`report`) and the
-agreement of every process (`agree_max`).
+holds what they share: the exit statuses, `RunStateError` and the agreement of every process
+(`agree_max`); their fault lines go through the run's console (`logging_utils.Console.report`).
 
 Exit statuses of `experiments.train` (the one place they are defined):
 
@@ -18,11 +18,7 @@ Exit statuses of `experiments.train` (the one place they are defined):
 """
 from __future__ import annotations
 
-import logging
-import sys
-
 import numpy as np
-import tqdm
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import strategies
@@ -30,21 +26,9 @@ from fedjax_ssl.core import strategies
 EXIT_REFUSED = 1  # config_validation.run's status for a ConfigError, which RunStateError is
 EXIT_DIVERGED = 3
 
-_log = logging.getLogger('fedjax_ssl')
-
 
 class RunStateError(cv.ConfigError):
   """The workdir's state refuses this run (reported as one `error:` line, exit status 1)."""
-
-
-def report(line: str, echo: bool = True) -> None:
-  """A fault line ('warning: ...', 'error: ...'): the run's log file always; stderr when `echo`,
-  through tqdm so that a running bar is redrawn below it."""
-  _log.info(line, stacklevel=2)
-  if echo:
-    sys.stdout.flush()
-    tqdm.tqdm.write(line, file=sys.stderr)
-    sys.stderr.flush()
 
 
 def agree_max(value: int) -> int:

@@ -1,11 +1,12 @@
-"""The reference rows a run records at round 0 and that runs share: the random-init encoder's
-evaluation and the raw-pixel row (`raw_pixel_reference`), kept under CACHE_DIR/references so that
-runs of equal inputs evaluate them once; `reference_evaluations` evaluates them for a config
+"""The reference rows a run records at round 0 (`References`) and that runs share: the random-init
+encoder's evaluation and the raw-pixel row (`raw_pixel_reference`), kept under CACHE_DIR/references
+so that runs of equal inputs evaluate them once; `reference_evaluations` evaluates them for a config
 without training and `add_raw_pixel_reference` adds a missing raw-pixel row to a finished run
 (both for experiments.reproduce).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -14,25 +15,52 @@ import numpy as np
 
 from fedjax_ssl import experiment, files
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.runs import run_guard
+from fedjax_ssl.runs import logging_utils
 from fedjax_ssl.runs.run_dir import RunDir
 
 REFERENCES = 'references'  # under the cache folder: reference evaluations shared across runs
 
 
-def shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
+@dataclasses.dataclass(frozen=True)
+class References:
+  """A run's reference rows, recorded at round 0 beside its own evaluations: the random-init
+  encoder's (`random_init`, the metrics of `experiment.evaluate`) and the raw pixels' (`raw_pixels`,
+  None when the run records none: no logistic probe or fine-tuning, or the synthetic set)."""
+  random_init: dict
+  raw_pixels: dict | None = None
+
+  def value(self, row: str, key: str) -> float:
+    """The row's ('random_init' or 'raw_pixels') value of `key`, NaN when it has none."""
+    return (getattr(self, row) or {}).get(key, float('nan'))
+
+  def lines(self, keys) -> dict:
+    """{metric: {label: value}}: the random-init encoder and (where measured) raw pixels, the
+    dashed lines of metrics.png's accuracy panels."""
+    lines = {}
+    for key in keys:
+      refs = {'random-init encoder': self.random_init.get(key),
+              'raw pixels': (self.raw_pixels or {}).get(key)}
+      refs = {label: value for label, value in refs.items() if isinstance(value, (int, float))}
+      if refs:
+        lines[key] = refs
+    return lines
+
+
+def shared_reference(shared_dir, name: str, key_fn, compute, *, writes: bool = True,
+                     console: logging_utils.Console | None = None):
   """(metrics, a note for the log line): SHARED_DIR/<name>-<key_fn()>.json when an earlier run
-  with the same key wrote it, else compute(), then written there by the primary process (no
-  SHARED_DIR: computed). An unreadable file is evaluated again, with a warning."""
+  with the same key wrote it, else compute(), then written there when this process `writes` (no
+  SHARED_DIR: computed). An unreadable file is evaluated again, with a warning on `console`."""
   shared = pathlib.Path(shared_dir) / f'{name}-{key_fn()}.json' if shared_dir else None
   if shared is not None and shared.exists():
     try:
       return json.loads(shared.read_text()), f'(from {shared})'
     except ValueError as e:
-      run_guard.report(f'warning: {shared} cannot be read ({e}): evaluating again', echo=primary)
+      (console or logging_utils.Console()).report(
+          f'warning: {shared} cannot be read ({e}): evaluating again')
   t0 = time.time()
   metrics = compute()
-  if primary and shared is not None:
+  if writes and shared is not None:
     shared.parent.mkdir(parents=True, exist_ok=True)
     with files.writing(shared):
       files.write_json(shared, metrics)
@@ -40,25 +68,25 @@ def shared_reference(shared_dir, name: str, primary: bool, key_fn, compute):
 
 
 def raw_pixel_reference(config, dataset, rundir: RunDir | None, *, reuse: bool,
-                        shared_dir=None, primary: bool = True):
+                        shared_dir=None, console: logging_utils.Console | None = None):
   """The raw-pixel reference row and where it came from: WORKDIR/raw_pixels.json when `reuse`
   (the config that wrote config.json is unchanged), else SHARED_DIR/raw_pixels-<key>.json when an
   earlier run with the same `experiment.raw_pixel_key` wrote it, else computed. Computed or shared,
   it is written to the run directory (which stands alone; rundir None: no run directory) and,
-  when computed, to shared_dir.
+  when computed, to shared_dir (by the process whose run directory writes).
 
-  The evaluation is the slowest of a run's reference evaluations (200-225 s on 20,000 Fashion-MNIST
-  images on one core of the 2-core box, 630 s with four jobs sharing it, against 68 s for the
-  random-init encoder), and every row of a table at one seed reads the same pixels: the binaries
-  share it across runs through CACHE_DIR/references (`compilation.enable_cache`).
+  It is the slowest of a run's reference evaluations (docs/notes/performance.md#perf-48), and every
+  row of a table at one seed reads the same pixels: the binaries share it across runs through
+  CACHE_DIR/references (`compilation.enable_cache`).
   Returns (metrics dict, a note for the log line)."""
   raw_path = rundir.raw_pixels_file if rundir is not None else None
   if reuse and raw_path is not None and raw_path.exists():
     return rundir.read_json(raw_path), f'(from {raw_path.name})'
-  metrics, took = shared_reference(shared_dir, 'raw_pixels', primary,
-                                    lambda: experiment.raw_pixel_key(config, dataset),
-                                    lambda: experiment.raw_pixel_metrics(config, dataset))
-  if primary and raw_path is not None:
+  metrics, took = shared_reference(shared_dir, 'raw_pixels',
+                                   lambda: experiment.raw_pixel_key(config, dataset),
+                                   lambda: experiment.raw_pixel_metrics(config, dataset),
+                                   writes=rundir is None or rundir.writes, console=console)
+  if raw_path is not None:
     rundir.write_json(raw_path, metrics)
   return metrics, took
 

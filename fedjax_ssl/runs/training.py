@@ -8,120 +8,37 @@ its flags and process set-up. Research code calls it (or its pieces) the same wa
 Inside the workdir's lock and stop-signal handling, `train_and_evaluate` is five stages, each a
 function a researcher can call or replace: `setup` (config against the workdir's, data, algorithm,
 strategy, compiled round: a `Run`), `resume` (the newest intact checkpoint, or round 0),
-`references` (random-init encoder and raw pixels), `train_rounds` (the loop: metrics, evaluations,
-checkpoints, signals, divergence; an `Outcome`) and `report` (results.json, metrics.png, the
-closing lines).
+`references` (random-init encoder and raw pixels: `shared_references.References`), `train_rounds`
+(the loop: metrics, evaluations, checkpoints, signals, divergence; an `Outcome`) and `report`
+(results.json, metrics.png, the closing lines).
 
-The files of WORKDIR are named, read and written by one object, `run_dir.RunDir`; what a run
-survives and how a resume stays exact are in the binary's docstring (experiments/train.py) and
-docs/DESIGN.md §12-13. Reference rows shared across runs (the raw-pixel row, the random-init
-evaluation) go through CACHE_DIR/references (`runs.shared_references`).
+The stages do not ask which process they run in: the run's `logging_utils.Console` prints only in
+process 0, and its `RunDir` writes only there (`RunDir.writes`); every process computes the same.
+The files of WORKDIR are named, read and written by that `RunDir`; what a run survives and how a
+resume stays exact are in the binary's docstring (experiments/train.py) and docs/DESIGN.md §12-13.
+Reference rows shared across runs (the raw-pixel row, the random-init evaluation) go through
+CACHE_DIR/references (`runs.shared_references`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import pathlib
 import signal
 import time
-from typing import Any
 
 import jax
 import numpy as np
 
-from fedjax_ssl import algorithms, configuration, experiment, files
-from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, plotting, resuming,
-                             run_guard, shared_references, signals)
-from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
+from fedjax_ssl import experiment, files
 from fedjax_ssl.core import compilation, rng, strategies
-from fedjax_ssl.core import round as rd
-from fedjax_ssl.data import partition
-from fedjax_ssl.data.info import DatasetInfo
-
-
-
-def _stored_strategy(rundir: RunDir, ckpt: checkpoint.Checkpointer, chunk: int) -> dict | None:
-  """The strategy of the run a resume continues (WORKDIR/strategy.json), None for a fresh start.
-  A workdir with checkpoints but no record ran before strategies were measured: the static default
-  of this backend, which is what 'auto' was then."""
-  if not (ckpt.all_rounds() or ckpt.moved_aside()):
-    return None
-  path = rundir.strategy_file
-  if path.exists():
-    try:
-      return rundir.read_json(path)
-    except ValueError as e:
-      run_guard.report(f'warning: {path} cannot be read ({e}): resuming under the static default '
-                       'strategy; the result may differ from the run\'s at float rounding')
-  return {'strategy': strategies.default_strategy(), 'map_chunk_size': chunk, 'source': 'workdir'}
-
-
-def numerics_host() -> dict:
-  """What besides the config and the strategy sets a run's float rounding: the backend, its device,
-  jax's version and, on CPU, the threads XLA may use (the CPUs this process may run on). XLA:CPU
-  splits the sums of matrix products and convolutions across its threads, so the same run on 1 and
-  on 2 threads rounds differently from the first round on and, training being chaotic, ends a few
-  tenths of a point apart (docs/notes/testing.md#test-18)."""
-  backend = jax.default_backend()
-  return {'backend': backend, 'device_kind': jax.local_devices()[0].device_kind,
-          'jax': jax.__version__,
-          'cpu_threads': len(os.sched_getaffinity(0)) if backend == 'cpu' else None}
-
-
-def host_change(stored: dict | None, current: dict) -> str | None:
-  """The warning for a resume on another numerics host than the run started on (`numerics_host`;
-  None when the same, or when the workdir predates the record)."""
-  host = (stored or {}).get('host')
-  if host is None or host == current:
-    return None
-  changed = ', '.join(f'{k} {host.get(k)!r} -> {v!r}' for k, v in current.items()
-                      if host.get(k) != v)
-  return (f'warning: this run started on another host ({changed}): the rounds from here round '
-          'floats differently, so they are not bit-identical to an uninterrupted run on the first '
-          'one (the numbers stay valid; docs/notes/testing.md#test-18)')
-
-
-def _scalars(results: dict) -> dict:
-  """The scalar entries of an evaluation dict (per-client lists go to results.json only)."""
-  return {k: v for k, v in results.items() if not isinstance(v, list)}
-
-
-_EVAL_KEYS = ('test_acc', 'knn_acc', 'probe_acc', 'probe_std_acc', 'ft_acc_1pct', 'ft_acc_10pct')
-
-
-def best_over_rounds(records: list, key: str) -> dict:
-  """{'<key>_best': the highest value of `key` over the logged rounds (round 0, the random-init
-  encoder, left out), '<key>_best_round': its round (the first on ties)}; {} when no round has it.
-
-  FedU2 reports the best kNN over rounds (its code logs `best_knn_acc`); the kNN monitor of every
-  `eval_every`-th round and the final evaluation compute the same kNN (k = knn_k on the whole
-  training split), so their maximum is that number at this run's evaluation cadence.
-  """
-  rounds = [(r[key], r['round']) for r in records if key in r and r['round'] > 0]
-  if not rounds:
-    return {}
-  best = max(v for v, _ in rounds)
-  return {f'{key}_best': best, f'{key}_best_round': min(i for v, i in rounds if v == best)}
-
-
-def _metrics_text(record: dict) -> str:
-  keys = [k for k in ('loss',) + _EVAL_KEYS if k in record]
-  return '  '.join(f'{k} {record[k]:.4f}' for k in keys)
-
-
-def _data_summary(config, dataset) -> str:
-  scheme = config.partition + (f'(alpha={config.alpha})' if config.partition == 'dirichlet' else
-                               f'(k={config.classes_per_client})' if config.partition == 'classes'
-                               else '')
-  public = f', {config.public_size} public' if config.public_size else ''
-  unlabelled = ('' if dataset.unlabeled_x is None else
-                f' (the clients train on {len(dataset.unlabeled_x)} unlabelled images)')
-  return (f'{dataset.name}: {len(dataset.train_y)} train / {len(dataset.test_y)} test '
-          f'images{unlabelled}{public}; {config.num_clients} clients, {scheme} partition, '
-          f'{config.clients_per_round} per round')
+from fedjax_ssl.core.state import FedState
+from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, numerics, plotting,
+                             results, resuming, run_guard, shared_references, signals)
+from fedjax_ssl.runs.run_dir import RunDir
+from fedjax_ssl.runs.run_setup import Run, setup
+from fedjax_ssl.runs.shared_references import References
 
 
 def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_position: int = 0,
@@ -155,27 +72,20 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
       raise cv.ConfigError(f'config.strategy = {config.strategy!r} is invalid with '
                            f"{jax.process_count()} processes: must be 'shard' (the participants "
                            "are spread over every process's devices)")
-    rundir = RunDir(workdir)
-    rundir.path.mkdir(parents=True, exist_ok=True)
     process = jax.process_index()
-    primary = process == 0
+    rundir = RunDir(workdir, writes=process == 0)
+    rundir.path.mkdir(parents=True, exist_ok=True)
+    console = logging_utils.Console.for_process(process, verbose)
     with lock.WorkdirLock(rundir.lock_file(process)) as held:
-      try:
-        warning, refused = held.acquire(), None
-      except run_guard.RunStateError as e:
-        warning, refused = None, e
-      if run_guard.agree_max(refused is not None):  # every process refuses if one does
-        raise refused or run_guard.RunStateError(
-            f'workdir {rundir.path} is in use by another run (seen by another process of this run)')
+      warning = _acquire(held, rundir)
       log.open(rundir.log_file(process))
       if warning:
-        run_guard.report(warning, echo=primary)
+        console.report(warning)
       with signals.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
         try:
-          return _run(config, rundir, ckpt, stop, verbose=verbose and primary,
-                      bar_position=bar_position, primary=primary, restart=restart,
-                      allow_config_change=allow_config_change, reference_cache=reference_cache,
-                      cache_dir=cache_dir)
+          return _run(config, rundir, ckpt, stop, console, bar_position=bar_position,
+                      restart=restart, allow_config_change=allow_config_change,
+                      reference_cache=reference_cache, cache_dir=cache_dir)
         except files.DiskFull as e:  # the run's files so far are intact (files.writing's sites)
           saved = ckpt.latest_round()
           raise run_guard.RunStateError(
@@ -184,148 +94,38 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               + ' with the metric rows before it') from None
 
 
-@dataclasses.dataclass
-class Run:
-  """A run once set up (`setup`): what its later stages share.
-
-  Attributes:
-    config: the run's config; rundir: its run directory (`RunDir`, the run's files); primary:
-    process 0 (the one that writes).
-    dataset, fed_data: the data (fed_data replicated over the processes); algo: the Algorithm;
-    plan: the algorithm's run plan or None; round_cfg: the RoundConfig; init_key, run_key: the keys
-    of the initial state and of the rounds; choice: the resolved strategy (autotune.Choice);
-    round_step: the compiled round; per_participant: message sizes per cohort (rd.message_bytes);
-    changes: the config's changes against the workdir's config.json ({} when none or new);
-    host: the numerics host the run started on (`numerics_host`), recorded in strategy.json;
-    verbose: the console lines for a person are printed.
-  """
-  config: Any
-  rundir: RunDir
-  primary: bool
-  verbose: bool
-  dataset: Any
-  fed_data: Any
-  algo: Any
-  plan: Any
-  round_cfg: Any
-  init_key: Any
-  run_key: Any
-  choice: Any
-  round_step: Any
-  per_participant: Any
-  changes: dict
-  host: Any
-  _init_fn: Any = None  # the compiled `algo.init` (rd.compiled_init) on first use; False: eager
-
-  def say(self, message: str) -> None:
-    """A line for a person: train.log always, the console when verbose."""
-    logging_utils.say(message, echo=self.verbose)
-
-  def initial_state(self):
-    """The run's round-0 state; with several processes, global arrays (every process built the same
-    data and state). On the device it is one compiled program (`rd.compiled_init`, cached across
-    runs); an `init` that cannot be traced runs eagerly, with a warning."""
-    if self._init_fn is None and self.config.client_state == 'device':
-      self._init_fn = rd.compiled_init(self.algo, self.config.num_clients)
-    try:
-      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
-                            client_state=self.config.client_state, init_fn=self._init_fn or None)
-    except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
-      if not self._init_fn:
-        raise
-      logging.warning('%s.init cannot be one program (%s): initialised eagerly', self.algo.name,
-                      str(e).splitlines()[0][:200])
-      self._init_fn = False
-      state = rd.init_state(self.algo, self.init_key, self.config.num_clients,
-                            client_state=self.config.client_state)
-    return state.replace(server=strategies.replicate(state.server),
-                         round=strategies.replicate(state.round),
-                         clients=(state.clients if self.config.client_state == 'host' else
-                                  strategies.replicate(state.clients)))
+def _acquire(held: lock.WorkdirLock, rundir: RunDir) -> str | None:
+  """Takes the workdir's lock (its warning, if any); every process refuses if one does."""
+  try:
+    warning, refused = held.acquire(), None
+  except run_guard.RunStateError as e:
+    warning, refused = None, e
+  if run_guard.agree_max(refused is not None):
+    raise refused or run_guard.RunStateError(
+        f'workdir {rundir.path} is in use by another run (seen by another process of this run)')
+  return warning
 
 
-def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer,
-         stop: signals.StopSignals, *, verbose: bool, bar_position: int, primary: bool,
-         restart: bool, allow_config_change: bool, reference_cache: str | None,
-         cache_dir) -> dict:
+def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals,
+         console: logging_utils.Console, *, bar_position: int, restart: bool,
+         allow_config_change: bool, reference_cache: str | None, cache_dir) -> dict:
   # Every compile before round 1 (initial state, references): with the round's own, the compile
   # time a run pays before its first round ends (results.json first_round.setup_compile_seconds).
   with compilation.compile_timer() as before:
-    run, state = setup(config, rundir, ckpt, verbose=verbose, primary=primary,
+    run, state = setup(config, rundir, ckpt, console=console,
                        allow_config_change=allow_config_change, cache_dir=cache_dir)
     start, state = resume(run, ckpt, state, restart=restart)
-    random_init, raw_pixels = references(run, state, start, reference_cache=reference_cache)
-  outcome = train_rounds(run, ckpt, stop, state, start, random_init, raw_pixels,
-                         bar_position=bar_position)
-  outcome.setup_compile_seconds = before.total
-  if outcome.diverged is not None or not primary:
-    return outcome.diverged or {'status': 'completed'}
-  return report(run, outcome, random_init, raw_pixels)
+    refs = references(run, state, start, reference_cache=reference_cache)
+  outcome = train_rounds(run, ckpt, stop, state, start, refs, bar_position=bar_position)
+  if not rundir.writes:  # another process than 0: process 0 reports
+    return {'status': 'diverged' if outcome.diverged is not None else 'completed'}
+  if outcome.diverged is not None:
+    return outcome.diverged
+  return report(run, outcome, refs, setup_compile_seconds=before.total)
 
 
-def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: bool = True,
-          primary: bool = True, allow_config_change: bool = False, cache_dir=None) -> tuple:
-  """Checks the config against the workdir's, loads and partitions the data, builds the algorithm,
-  resolves the strategy (measured once per program under `cache_dir` when 'auto'; a resume keeps
-  its own) and compiles the round; logs the run's header lines. Nothing is trained. Returns
-  (`Run`, its initial state): the state is built once, as it holds every client's state."""
-  logging_utils.say(f'workdir {rundir.path}; config '
-                    f'{json.dumps(config.to_dict(), sort_keys=True)}', echo=False)
-  # Resuming continues the workdir's run: refuse another config before loading anything.
-  stored = resuming.stored_config(rundir)
-  changes = resuming.config_changes(stored, config) if stored is not None else {}
-  if changes and ckpt.all_rounds():  # DP-FedAvg's ledger: no change, even when allowed
-    resuming.refuse_dp_changes(changes, algorithms.registry.dp_enabled(config))
-  if changes and ckpt.all_rounds() and not allow_config_change:
-    resuming.refuse_changed_config(rundir, changes)
-  elif changes and not ckpt.all_rounds():
-    run_guard.report(f'warning: the config differs from the workdir\'s config.json '
-                     f'({resuming.format_changes(changes)}) and there is no checkpoint to '
-                     'resume: starting over from round 0', echo=primary)
-
-  known_before_loading = configuration.dataset_info(config) is not None
-  dataset = experiment.load_data(config)
-  if not known_before_loading:  # validate_config could not check the sizes: check them now
-    configuration.check_data_config(config, DatasetInfo.of(dataset))
-  fed_data, info = experiment.build_fed_data(config, dataset)
-  logging_utils.say(_data_summary(config, dataset) + '\n' +
-                    partition.format_histogram(info['histogram']), echo=verbose)
-  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
-  plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
-  if plan is not None:
-    logging_utils.say(plan.text, echo=verbose)
-  init_key, run_key = experiment.run_keys(config)
-  run = Run(config=config, rundir=rundir, primary=primary, verbose=verbose, dataset=dataset,
-            fed_data=strategies.replicate(fed_data), algo=algo, plan=plan,
-            round_cfg=experiment.round_config(config), init_key=init_key, run_key=run_key,
-            choice=None, round_step=None, per_participant=None, changes=changes, host=None)
-  # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
-  # the one it started with, since strategies agree only to float rounding.
-  stored_strategy = _stored_strategy(rundir, ckpt, config.map_chunk_size)
-  run.choice, run.round_step = experiment.choose_strategy(
-      config, algo, run.fed_data, run.initial_state, run_key, cache_dir=cache_dir,
-      stored=stored_strategy)
-  run.host = numerics_host()
-  moved = host_change(stored_strategy, run.host)
-  if moved:
-    run_guard.report(moved, echo=primary)
-    run.host = stored_strategy['host']   # the record keeps the host the run started on
-  devices = jax.device_count()
-  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
-              else config.encoder)
-  run.say(f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
-          f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
-          f'device{"s" if devices > 1 else ""}), {run.choice.text()}')
-  state = run.initial_state()
-  run.per_participant = rd.message_bytes(algo, run.round_cfg, config.num_clients, state,
-                                         run.fed_data)
-  run.say('communication per participant and round: ' + ', '.join(
-      f'{c.name}: up {b.up:,} B, down {b.down:,} B'
-      for c, b in zip(rd.cohorts(algo, config.num_clients), run.per_participant)))
-  return run, state
-
-
-def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = False) -> tuple:
+def resume(run: Run, ckpt: checkpoint.Checkpointer, state: FedState, *, restart: bool = False
+           ) -> tuple[int, FedState]:
   """(first round to train, state): 0 and `state` (the initial one `setup` returned), or the newest
   intact checkpoint's round and state. Runs before the reference evaluations, so that a workdir
   without an intact checkpoint is refused before that compute. Unreadable checkpoints moved aside
@@ -333,169 +133,106 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state, *, restart: bool = Fa
   again."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return 0, state
-  restored = resuming.restore_newest_intact(ckpt, state, echo=run.primary, primary=run.primary)
+  restored = resuming.restore_newest_intact(ckpt, state, console=run.console,
+                                            moves=run.rundir.writes)
   if restored is not None:
     start, state, _ = restored
-    run.say(f'resumed from the checkpoint of round {start} in {run.rundir.checkpoints}')
+    run.console.say(f'resumed from the checkpoint of round {start} in {run.rundir.checkpoints}')
     return start, state
   if not restart:
     raise run_guard.RunStateError(
         f'no intact checkpoint in {run.rundir.checkpoints} (the unreadable ones are kept under '
         f'{checkpoint.CORRUPT_DIR}/: {", ".join(ckpt.moved_aside())}): rerun with --restart '
         'to start over from round 0')
-  run_guard.report('warning: no intact checkpoint; --restart: starting over from round 0',
-                   echo=run.primary)
+  run.console.report('warning: no intact checkpoint; --restart: starting over from round 0')
   return 0, state
 
 
-def references(run: Run, state, start: int, *, reference_cache: str | None = None) -> tuple:
-  """(random_init, raw_pixels): the random-init encoder's evaluation (WORKDIR/random_init.json for
+def references(run: Run, state: FedState, start: int, *, reference_cache: str | None = None
+               ) -> References:
+  """The run's reference rows: the random-init encoder's evaluation (WORKDIR/random_init.json for
   the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
-  the raw-pixel reference row (None unless `experiment.has_raw_pixel_reference`: the logistic
-  probe or fine-tuning, not on the synthetic set). Every process evaluates (on its own copy: no
-  collective), so that all of them reach the next round's collectives together; process 0 alone
-  writes."""
-  config = run.config
-  random_init_path = run.rundir.random_init_file
-  if random_init_path.exists() and not run.changes:
-    random_init = run.rundir.read_json(random_init_path)
-    took = f'(from {random_init_path.name})'
+  the raw-pixel row (None unless `experiment.has_raw_pixel_reference`: the logistic probe or
+  fine-tuning, not on the synthetic set). Every process evaluates (on its own copy: no
+  collective), so that all of them reach the next round's collectives together."""
+  config, console, rundir = run.config, run.console, run.rundir
+  if rundir.random_init_file.exists() and not run.changes:
+    random_init = rundir.read_json(rundir.random_init_file)
+    took = f'(from {rundir.random_init_file.name})'
   else:
     initial = _local(state if start == 0 else run.initial_state())
     random_init, took = shared_references.shared_reference(
-        reference_cache, 'random_init', run.primary,
+        reference_cache, 'random_init',
         lambda: experiment.evaluation_key(config, run.algo, initial, run.dataset),
-        lambda: experiment.evaluate(config, run.algo, initial, run.dataset))
-    if run.primary:
-      run.rundir.write_json(random_init_path, random_init)
-  width = len(str(config.rounds))
-  run.say(f'round {0:>{width}}/{config.rounds}  random-init encoder: '
-          f'{_metrics_text(_scalars(random_init))}  {took}')
+        lambda: experiment.evaluate(config, run.algo, initial, run.dataset),
+        writes=rundir.writes, console=console)
+    rundir.write_json(rundir.random_init_file, random_init)
+  console.say(f'round {0:>{len(str(config.rounds))}}/{config.rounds}  random-init encoder: '
+              f'{results.metrics_text(results.scalars(random_init))}  {took}')
   raw_pixels = None
   if (config.probe == 'logistic' or config.finetune != 'none') and config.dataset == 'synthetic':
-    run.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in their '
-            'mean image by construction (sources.make_synthetic)')
+    console.say('raw pixels (reference): skipped on the synthetic set, whose classes differ in '
+                'their mean image by construction (sources.make_synthetic)')
   elif experiment.has_raw_pixel_reference(config):  # the same probe, kNN, fine-tuning on pixels
     raw_pixels, took = shared_references.raw_pixel_reference(
-        config, run.dataset, run.rundir, reuse=not run.changes, shared_dir=reference_cache,
-        primary=run.primary)
-    run.say(f'raw pixels (reference): {_metrics_text(_scalars(raw_pixels))}  {took}')
-  return random_init, raw_pixels
+        config, run.dataset, rundir, reuse=not run.changes, shared_dir=reference_cache,
+        console=console)
+    console.say(f'raw pixels (reference): {results.metrics_text(results.scalars(raw_pixels))}'
+                f'  {took}')
+  return References(random_init, raw_pixels)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Outcome:
-  """What `train_rounds` ends with: the last state, the final evaluation (None when the run resumed
-  from its final checkpoint), the first round's compile times (None when no round ran), this
-  process's age when that round started (`compilation.process_age`) and the seconds compiling
-  before it (set by `_run`), the metrics writer (process 0; None elsewhere), and, when a round
-  diverged, that results dict."""
-  state: Any
+  """What `train_rounds` ends with: the last state, the metrics writer, the final evaluation (None
+  when the run resumed from its final checkpoint), this process's first round's compile times and
+  its age when that round started (`compilation.process_age`; None when no round ran), and, when a
+  round diverged, that results dict."""
+  state: FedState
+  writer: logging_utils.MetricsWriter
   final: dict | None = None
-  compile_times: Any = None
+  compile_times: compilation.CompileTimes | None = None
   process_age: float | None = None
-  setup_compile_seconds: float | None = None
-  writer: logging_utils.MetricsWriter | None = None
   diverged: dict | None = None
 
 
-def _strategy_record(run: Run) -> dict:
-  """strategy.json (and results.json's 'strategy'): the resolved strategy and the host it ran on."""
-  return {**run.choice.to_json(), 'host': run.host}
-
-
-def _open_metrics(run: Run, start: int, random_init: dict) -> logging_utils.MetricsWriter | None:
-  """Process 0's metrics writer, its log cut to the restored round (round 0 = the random-init
-  encoder on a fresh start), and the run's config.json and strategy.json written."""
-  if not run.primary:
-    return None
-  writer = run.rundir.metrics_writer()
-  if start == 0:
-    # Round 0 is the random-init encoder, so every accuracy curve starts there.
-    writer.truncate_after(-1)
-    writer.write(0, _scalars(random_init))
-    run.rundir.write_config(run.config)
-    run.rundir.write_json(run.rundir.strategy_file, _strategy_record(run))
-    run.rundir.clear_config_changes()
-  else:
-    writer.truncate_after(start)  # rows past the restored round are dropped before any append
-    if run.changes:  # --allow_config_change: the run goes on under the new values from here
-      run.rundir.record_config_changes(start, run.changes)
-      run.rundir.write_config(run.config)
-      run.say(f'config changed at round {start}: {resuming.format_changes(run.changes)}')
-  return writer
-
-
-def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals, state,
-                 start: int, random_init: dict, raw_pixels, *, bar_position: int = 0) -> Outcome:
+def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals,
+                 state: FedState, start: int, refs: References, *, bar_position: int = 0
+                 ) -> Outcome:
   """Rounds start+1 .. config.rounds: each round's metrics row (evaluations every eval_every and at
   the last round), a checkpoint per checkpoint_every (always the last), a stop signal honoured
   after the round's checkpoint (signals.Preempted), a divergence reported and recorded."""
-  config, algo, primary = run.config, run.algo, run.primary
-  writer = _open_metrics(run, start, random_init)
-  history = logging_utils.read_metrics(str(writer.jsonl_path)) if primary else []
+  config, console = run.config, run.console
+  writer = _open_metrics(run, start, refs)
   param_names, params_finite = divergence.make_finite_check(state.server)
-  watch = divergence.DivergenceWatch(config.rounds, param_names, history)
-  width = len(str(config.rounds))
-  out = Outcome(state=state, writer=writer)
-  bar = logging_utils.progress(total=config.rounds, initial=start, desc=f'{algo.name}',
-                               position=bar_position, leave=bar_position == 0,
-                               disable=None if primary else True)
+  watch = divergence.DivergenceWatch(config.rounds, param_names, writer.read())
+  bar = console.progress(total=config.rounds, initial=start, desc=f'{run.algo.name}',
+                         position=bar_position, leave=bar_position == 0)
   signum = stop.agreed()  # a signal during the set-up: there is no new round to save
   if signum:
     bar.close()
-    _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', primary)
+    _stopped(signum, f'before round {start + 1}/{config.rounds} (nothing new to save)', console)
+  final = times = age = None
   t_start = time.time()
   for r in range(start, config.rounds):
-    key = rng.round_key(run.run_key, r)
-    if out.compile_times is None:  # the process's first round: its compile, apart from the rest
-      out.process_age = compilation.process_age()
-      with compilation.compile_timer() as out.compile_times:
-        state, metrics = run.round_step(state, run.fed_data, key)
-        jax.block_until_ready(state)
-      logging_utils.say(f'round {r + 1} step: {out.compile_times.text()} of '
-                        f'{out.compile_times.wall:.1f}s; export '
-                        f'{experiment.export_status(run.round_step)}', echo=False)
+    if times is None:  # the process's first round: its compile, apart from the rest
+      state, metrics, times, age = _first_round(run, state, r)
     else:
-      state, metrics = run.round_step(state, run.fed_data, key)
-    out.state = state
-    failed = [int(i) for i in np.asarray(metrics.pop('failed_ids')) if i >= 0]
-    record = {k: float(v) for k, v in metrics.items()}
-    diverged = (divergence.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
-                                           config.max_failed_fraction)
-                or watch.check(r + 1, record, params_finite(state.server)))
-    if failed:
-      record['failed_ids'] = failed
-      logging_utils.say(f'round {r + 1}: client(s) {failed} sent a non-finite update, left out of '
-                        'the aggregate and rolled back to the start of the round', echo=False)
-    if algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
-      record.update(algo.host_metrics(state))
+      state, metrics = run.round_step(state, run.fed_data, rng.round_key(run.run_key, r))
+    record, diverged = _round_record(run, state, metrics, r, watch, params_finite)
     if diverged is not None:  # no evaluation and no checkpoint of a non-finite state
-      if primary:
-        _write_non_finite(writer, r + 1, record)
+      _write_non_finite(writer, r + 1, record)
       bar.close()
-      out.diverged = _diverged(config, algo, diverged, random_init, raw_pixels, run.rundir,
-                               writer, primary)
-      return out
-    evaluated = True
-    if r + 1 == config.rounds:
-      out.final = experiment.evaluate(config, algo, _local(state), run.dataset)
-      record.update(_scalars(out.final))
-    elif config.eval_every and (r + 1) % config.eval_every == 0:
-      record.update(_scalars(experiment.evaluate(config, algo, _local(state), run.dataset,
-                                                 probe=False)))
-    else:
-      evaluated = False
+      return Outcome(state, writer, compile_times=times, process_age=age,
+                     diverged=_diverged(run, diverged, refs, writer))
+    evaluation = _evaluate(run, state, r + 1)
+    record.update(results.scalars(evaluation or {}))
+    final = evaluation if r + 1 == config.rounds else None
     # One record per round, written before that round's checkpoint: a resumed run truncates the
     # log to its checkpoint and so never duplicates or loses a round.
-    if primary:
-      with files.writing(writer.jsonl_path):
-        writer.write(r + 1, record)
-    if evaluated:
-      run.say(f'round {r + 1:>{width}}/{config.rounds}  {_metrics_text(record)}  '
-              f'({time.time() - t_start:.0f}s elapsed)')
-    else:
-      logging_utils.say(f'round {r + 1}/{config.rounds}  {_metrics_text(record)}', echo=False)
+    with files.writing(writer.jsonl_path):
+      writer.write(r + 1, record)
+    _show_round(console, config, r + 1, record, evaluation is not None, t_start)
     bar.set_metrics(record)
     bar.update(1)
     # After the last round a signal lets the run finish: its evaluation is done, only the results
@@ -507,14 +244,90 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSign
     if signum:
       bar.close()
       _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '
-               f'{run.rundir.checkpoints / str(r + 1)} saved', primary)
+               f'{run.rundir.checkpoints / str(r + 1)} saved', console)
   bar.close()
-  return out
+  return Outcome(state, writer, final=final, compile_times=times, process_age=age)
 
 
-def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
+def _open_metrics(run: Run, start: int, refs: References) -> logging_utils.MetricsWriter:
+  """The metrics writer, its log cut to the restored round (round 0 = the random-init encoder on a
+  fresh start), and the run's config.json and strategy.json written."""
+  rundir = run.rundir
+  writer = rundir.metrics_writer()
+  if start == 0:
+    # Round 0 is the random-init encoder, so every accuracy curve starts there.
+    writer.truncate_after(-1)
+    writer.write(0, results.scalars(refs.random_init))
+    rundir.write_config(run.config)
+    rundir.write_json(rundir.strategy_file, numerics.strategy_record(run.choice, run.host))
+    rundir.clear_config_changes()
+  else:
+    writer.truncate_after(start)  # rows past the restored round are dropped before any append
+    if run.changes:  # --allow_config_change: the run goes on under the new values from here
+      rundir.record_config_changes(start, run.changes)
+      rundir.write_config(run.config)
+      run.console.say(f'config changed at round {start}: '
+                      f'{resuming.format_changes(run.changes)}')
+  return writer
+
+
+def _first_round(run: Run, state: FedState, r: int) -> tuple:
+  """Round r + 1 as this process's first: (state, metrics, its compile times, this process's age
+  when it started)."""
+  age = compilation.process_age()
+  with compilation.compile_timer() as times:
+    state, metrics = run.round_step(state, run.fed_data, rng.round_key(run.run_key, r))
+    jax.block_until_ready(state)
+  run.console.log(f'round {r + 1} step: {times.text()} of {times.wall:.1f}s; export '
+                  f'{experiment.export_status(run.round_step)}')
+  return state, metrics, times, age
+
+
+def _round_record(run: Run, state: FedState, metrics: dict, r: int,
+                  watch: divergence.DivergenceWatch, params_finite) -> tuple:
+  """(the metrics row of round r + 1, its divergence or None): the round's metrics as floats, the
+  clients that failed (left out of the aggregate) and the algorithm's host metrics."""
+  config = run.config
+  failed = [int(i) for i in np.asarray(metrics.pop('failed_ids')) if i >= 0]
+  record = {k: float(v) for k, v in metrics.items()}
+  diverged = (divergence.too_many_failed(r + 1, config.rounds, failed, config.clients_per_round,
+                                         config.max_failed_fraction)
+              or watch.check(r + 1, record, params_finite(state.server)))
+  if failed:
+    record['failed_ids'] = failed
+    run.console.log(f'round {r + 1}: client(s) {failed} sent a non-finite update, left out of '
+                    'the aggregate and rolled back to the start of the round')
+  if run.algo.host_metrics is not None:  # e.g. the privacy ledger's epsilon spent so far
+    record.update(run.algo.host_metrics(state))
+  return record, diverged
+
+
+def _evaluate(run: Run, state: FedState, round_idx: int) -> dict | None:
+  """The evaluation after round `round_idx`: the full one after the last round, the kNN monitor
+  every eval_every rounds, else None."""
+  config = run.config
+  if round_idx == config.rounds:
+    return experiment.evaluate(config, run.algo, _local(state), run.dataset)
+  if config.eval_every and round_idx % config.eval_every == 0:
+    return experiment.evaluate(config, run.algo, _local(state), run.dataset, probe=False)
+  return None
+
+
+def _show_round(console: logging_utils.Console, config, round_idx: int, record: dict,
+                evaluated: bool, t_start: float) -> None:
+  """A round's line: for a person when it was evaluated, else in the log only."""
+  if evaluated:
+    console.say(f'round {round_idx:>{len(str(config.rounds))}}/{config.rounds}  '
+                f'{results.metrics_text(record)}  ({time.time() - t_start:.0f}s elapsed)')
+  else:
+    console.log(f'round {round_idx}/{config.rounds}  {results.metrics_text(record)}')
+
+
+def report(run: Run, outcome: Outcome, refs: References, *,
+           setup_compile_seconds: float | None = None) -> dict:
   """Process 0, after the last round: the final evaluation (redone when the run resumed from its
-  final checkpoint: it is deterministic), results.json, metrics.png and the closing lines."""
+  final checkpoint: it is deterministic), results.json, metrics.png and the closing lines.
+  `setup_compile_seconds`: the compile time before round 1 (results.json's first_round)."""
   config, algo, rundir = run.config, run.algo, run.rundir
   final = outcome.final
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
@@ -522,85 +335,30 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(outcome.state))
   outcome.writer.close()
-  results = _results('completed', config, algo, random_init, raw_pixels, rundir, final=final)
+  record = results.record('completed', config, algo, refs, rundir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
-    results['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
+    record['cohorts'] = {c.name: list(c.members) for c in algo.cohorts}
   if run.plan is not None:
-    results[run.plan.key] = dict(run.plan.summary, **{k: final[k] for k in run.plan.final_metrics})
+    record[run.plan.key] = dict(run.plan.summary, **{k: final[k] for k in run.plan.final_metrics})
   records = rundir.read_metrics()
-  final.update(best_over_rounds(records, 'knn_acc'))
-  results['communication'] = _communication(algo, config, run.per_participant, records)
-  results['strategy'] = _strategy_record(run)
+  final.update(results.best_over_rounds(records, 'knn_acc'))
+  record['communication'] = results.communication(algo, config, run.per_participant, records)
+  record['strategy'] = numerics.strategy_record(run.choice, run.host)
   if outcome.compile_times is not None:
-    results['first_round'] = dict(
+    record['first_round'] = dict(
         outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),
         export_file_seconds=getattr(run.round_step, 'seconds', 0.0),
         process_seconds_at_start=outcome.process_age,
-        setup_compile_seconds=outcome.setup_compile_seconds)
-  rundir.write_results(results)
-
-  accs = [k for k in _EVAL_KEYS if k in final]
+        setup_compile_seconds=setup_compile_seconds)
+  rundir.write_results(record)
+  accs = [k for k in results.EVAL_KEYS if k in final]
   plotting.plot_metrics(
       records, str(rundir.plot_file), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {run.dataset.name} (round 0 = random init)',
-      hlines=_reference_lines(accs, random_init, raw_pixels))
-  say = run.say
-  if 'test_acc' in final:
-    say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '
-        f'{random_init.get("test_acc", float("nan")):.4f}')
-  comm = results['communication']
-  say(f'communication: {comm["bytes_up_total"]:,.0f} B up, {comm["bytes_down_total"]:,.0f} B down '
-      f'in {config.rounds} rounds')
-  if 'probe_acc' in final:
-    say(f'linear probe accuracy: trained encoder {final["probe_acc"]:.4f} | '
-        f'random-init encoder {random_init.get("probe_acc", float("nan")):.4f}')
-  if 'probe_std_acc' in final:
-    say(f'standardised probe:    trained encoder {final["probe_std_acc"]:.4f} | '
-        f'random-init encoder {random_init.get("probe_std_acc", float("nan")):.4f}  '
-        f'({config.probe_std_epochs} epochs on z-scored features)')
-  if 'knn_acc' in final:
-    say(f'kNN accuracy:          trained encoder {final["knn_acc"]:.4f} | '
-        f'random-init encoder {random_init.get("knn_acc", float("nan")):.4f}')
-  for key in ('ft_acc_1pct', 'ft_acc_10pct'):
-    if key in final:
-      say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
-          f'{random_init.get(key, float("nan")):.4f}  (fine-tuned, config.finetune = '
-          f'{config.finetune!r})')
-  if raw_pixels is not None:
-    for key in ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'):
-      if key in final:
-        say(f'{key + ":":22s} trained encoder {final[key]:.4f} | random-init encoder '
-            f'{random_init.get(key, float("nan")):.4f} | raw pixels '
-            f'{raw_pixels.get(key, float("nan")):.4f}')
-  say(f'results: {rundir.results_file}   plot: {rundir.plot_file}   log: {rundir.log_file()}')
-  return results
-
-
-def _reference_lines(keys, random_init: dict, raw_pixels) -> dict:
-  """{metric: {label: value}}: the random-init encoder and (where measured) raw pixels, the dashed
-  lines of metrics.png's accuracy panels."""
-  lines = {}
-  for key in keys:
-    refs = {'random-init encoder': random_init.get(key),
-            'raw pixels': (raw_pixels or {}).get(key)}
-    refs = {label: value for label, value in refs.items() if isinstance(value, (int, float))}
-    if refs:
-      lines[key] = refs
-  return lines
-
-
-def _results(status: str, config, algo, random_init: dict, raw_pixels, rundir: RunDir,
-             **fields) -> dict:
-  """What every results.json holds: the status, `fields`, the references (random init, raw
-  pixels), the run's identity and the config changes it went through."""
-  results = {'status': status, **fields, 'random_init': random_init, 'rounds': config.rounds,
-             'algorithm': algo.name, 'ssl_method': config.ssl_method}
-  if raw_pixels is not None:
-    results['raw_pixels'] = raw_pixels
-  config_history = rundir.read_config_changes()
-  if config_history:
-    results['config_changes'] = config_history
-  return results
+      hlines=refs.lines(accs))
+  for line in results.closing_lines(config, final, refs, record['communication'], rundir):
+    run.console.say(line)
+  return record
 
 
 def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, record: dict) -> None:
@@ -615,41 +373,27 @@ def _write_non_finite(writer: logging_utils.MetricsWriter, round_idx: int, recor
     tb_log.setLevel(level)
 
 
-def _stopped(signum: int, where: str, primary: bool):
+def _stopped(signum: int, where: str, console: logging_utils.Console):
   """Reports a stop on `signum` and raises signals.Preempted (exit status 128 + signum)."""
-  run_guard.report(f'stopped by {signal.Signals(signum).name} {where}; resume with the same '
-                   f'command: {signals.resume_command()}', echo=primary)
+  console.report(f'stopped by {signal.Signals(signum).name} {where}; resume with the same '
+                 f'command: {signals.resume_command()}')
   raise signals.Preempted(signum)
 
 
-def _diverged(config, algo, diverged: divergence.Divergence, random_init: dict, raw_pixels,
-              rundir: RunDir, writer, primary: bool) -> dict:
+def _diverged(run: Run, diverged: divergence.Divergence, refs: References,
+              writer: logging_utils.MetricsWriter) -> dict:
   """Reports a divergence in one line and writes results.json with "status": "diverged"."""
-  run_guard.report(diverged.message(divergence.divergence_hint(config.lr, config.grad_clip_norm)),
-                   echo=primary)
-  if not primary:
-    return {'status': 'diverged'}
+  config = run.config
+  run.console.report(diverged.message(divergence.divergence_hint(config.lr,
+                                                                 config.grad_clip_norm)))
   writer.close()
-  results = _results('diverged', config, algo, random_init, raw_pixels, rundir,
-                     diverged=diverged.to_json())
-  rundir.write_results(results)
-  return results
+  record = results.record('diverged', config, run.algo, refs, run.rundir,
+                          diverged=diverged.to_json())
+  run.rundir.write_results(record)
+  return record
 
 
-def _communication(algo, config, per_participant, records) -> dict:
-  """results.json's communication entry: exact per-participant bytes of each cohort, and the
-  run's totals summed from the per-round metrics."""
-  rounds = [r for r in records if 'bytes_up' in r]
-  return {
-      'per_participant': {c.name: {'up': b.up, 'down': b.down}
-                          for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)},
-      'bytes_up_total': float(sum(r['bytes_up'] for r in rounds)),
-      'bytes_down_total': float(sum(r['bytes_down'] for r in rounds)),
-      'rounds_counted': len(rounds),
-  }
-
-
-def _local(state):
+def _local(state: FedState) -> FedState:
   """The state as arrays of this process's first device (the state itself with one process):
   evaluation then runs in each process alone, with no collective."""
   if not strategies.multi_process():

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from fedjax_ssl import experiment
-from fedjax_ssl.runs import lock, run_guard, signals, training
+from fedjax_ssl.runs import lock, numerics, run_guard, signals, training
 from fedjax_ssl.core import round as rd
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -234,12 +234,12 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   measured = full['strategy']
   assert measured['source'] == 'measured' and set(measured['seconds']) == {'map1', 'vmap'}
   assert json.loads((tmp_path / 'full' / 'strategy.json').read_text()) == measured
-  host = training.numerics_host()
+  host = numerics.numerics_host()
   assert measured['host'] == host and host['cpu_threads'] == len(os.sched_getaffinity(0))
   # A fresh start, and a workdir from before the record: nothing to say.
-  assert training.host_change(None, host) is None
-  assert training.host_change({'strategy': 'map'}, host) is None
-  assert training.host_change(measured, host) is None
+  assert numerics.host_change(None, host) is None
+  assert numerics.host_change({'strategy': 'map'}, host) is None
+  assert numerics.host_change(measured, host) is None
 
   stopped = tmp_path / 'stopped'
   def sigterm_after_2(r, state, metrics):

@@ -201,11 +201,11 @@ def test_plot_metrics_errors(tmp_path):
 def test_metrics_png_draws_the_random_init_and_raw_pixel_references():
   """The accuracy panels get both reference lines where both were measured; raw pixels are absent
   on the synthetic set (None) and have no kNN-monitor-only keys."""
-  from fedjax_ssl.runs import training
-  lines = training._reference_lines(['knn_acc', 'probe_acc', 'test_acc'],
-                                    {'knn_acc': 0.75, 'probe_acc': 0.82},
-                                    {'knn_acc': 0.81, 'probe_acc': 0.84, 'probe_acc_draws': [0.8]})
+  from fedjax_ssl.runs.shared_references import References
+  lines = References({'knn_acc': 0.75, 'probe_acc': 0.82},
+                     {'knn_acc': 0.81, 'probe_acc': 0.84, 'probe_acc_draws': [0.8]}
+                     ).lines(['knn_acc', 'probe_acc', 'test_acc'])
   assert lines == {'knn_acc': {'random-init encoder': 0.75, 'raw pixels': 0.81},
                    'probe_acc': {'random-init encoder': 0.82, 'raw pixels': 0.84}}
-  assert training._reference_lines(['knn_acc'], {'knn_acc': 0.75}, None) == {
+  assert References({'knn_acc': 0.75}, None).lines(['knn_acc']) == {
       'knn_acc': {'random-init encoder': 0.75}}

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import experiment
-from fedjax_ssl.runs import checkpoint, divergence, lock, resuming, run_guard, signals
+from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, resuming, run_guard,
+                             signals)
 from fedjax_ssl.runs.run_dir import RunDir
+
+QUIET = logging_utils.Console(prints=False)  # the fault lines to the log only
 
 
 def _dead_pid():
@@ -158,13 +161,13 @@ def test_unreadable_checkpoints_are_moved_aside_and_the_newest_intact_one_restor
     with pytest.raises(checkpoint.UnreadableCheckpoint, match='checkpoint of round 3 in .* is '
                                                               r'unreadable \(state/'):
       ckpt.restore(state, 3)
-    r, restored, _ = resuming.restore_newest_intact(ckpt, state, echo=False, primary=True)
+    r, restored, _ = resuming.restore_newest_intact(ckpt, state, console=QUIET)
     assert r == 2 and ckpt.all_rounds() == [1, 2]
     np.testing.assert_array_equal(np.asarray(restored['w']), np.arange(4096) + 2.0)
     assert sorted(os.listdir(tmp_path / 'corrupt')) == ['3']
     for step in (1, 2):
       _corrupt(tmp_path / str(step), rng)
-    assert resuming.restore_newest_intact(ckpt, state, echo=False, primary=True) is None
+    assert resuming.restore_newest_intact(ckpt, state, console=QUIET) is None
     assert ckpt.all_rounds() == [] and sorted(os.listdir(tmp_path / 'corrupt')) == ['1', '2', '3']
     ckpt.maybe_save(3, state)  # the same round again: moved aside under another name
     _corrupt(tmp_path / '3', rng)

@@ -1,5 +1,5 @@
 """fedjax_ssl.runs.training in process: the config checked before any data, several runs in one
-process, the best-over-rounds entry. The binary around it: tests/experiments/test_train_binary.py."""
+process. The binary around it: tests/experiments/test_train_binary.py."""
 import logging
 import re
 
@@ -56,13 +56,3 @@ def test_runs_in_one_process_print_only_their_bar_and_keep_their_own_logs(tmp_pa
     log = (tmp_path / run / 'train.log').read_text()
     assert f'workdir {tmp_path / run};' in log and str(tmp_path / other) not in log
     assert all(marker in log for marker in _ORBAX_INFO)
-
-
-def test_best_over_rounds_skips_the_random_init_row_and_takes_the_first_best():
-  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
-  records = [{'round': 0, 'knn_acc': 0.9}, {'round': 1, 'loss': 2.0},
-             {'round': 5, 'knn_acc': 0.61}, {'round': 10, 'knn_acc': 0.64},
-             {'round': 15, 'knn_acc': 0.64}, {'round': 20, 'knn_acc': 0.62}]
-  assert train.best_over_rounds(records, 'knn_acc') == {'knn_acc_best': 0.64,
-                                                        'knn_acc_best_round': 10}
-  assert train.best_over_rounds(records[:2], 'knn_acc') == {}
