@@ -258,7 +258,7 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   (cache / 'strategy.json').write_text(json.dumps(entries))
   capfd.readouterr()
   with monkeypatch.context() as m:
-    m.setattr(training, 'numerics_host', lambda: dict(host, cpu_threads=host['cpu_threads'] + 1))
+    m.setattr(numerics, 'numerics_host', lambda: dict(host, cpu_threads=host['cpu_threads'] + 1))
     resumed = _train(stopped, config=config, cache_dir=cache)
   warnings = [l for l in capfd.readouterr().err.splitlines() if l.startswith('warning:')]
   assert warnings == [
