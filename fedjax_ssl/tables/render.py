@@ -131,8 +131,7 @@ def _reference_groups(rows: Sequence[str], columns: Sequence[str], metrics: Sequ
   Rows of one encoder share one random-init row in table.md; a table whose rows start from
   different encoders (a mix and its single-architecture references) gets one per encoder rather
   than an average of unlike models. The tolerance, not equality: one encoder scored in two
-  processes drifts in the last digits (0.012 points between a fresh run and the carried cells of
-  the quick Hetero-SSFL table). Every metric at once, so that unlike encoders level on one metric
+  processes drifts in the last digits (docs/notes/harness.md#harn-18). Every metric at once, so that unlike encoders level on one metric
   still split. A row with no per-seed value joins the first group."""
   groups: List[Tuple[Dict[Tuple[str, str, int], float], List[str]]] = []
   unscored = []
