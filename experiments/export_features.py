@@ -32,7 +32,7 @@ from absl import flags
 import numpy as np
 
 from fedjax_ssl import core, experiment, run_identity
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
 
 FILES = ('trained_train.npy', 'trained_test.npy', 'random_train.npy', 'random_test.npy',

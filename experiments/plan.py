@@ -79,7 +79,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
-from fedjax_ssl import algorithms, configuration, experiment, reproduce, run_identity
+from fedjax_ssl import algorithms, configuration, experiment, run_identity, tables
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import compilation, local, rng, strategies
 from fedjax_ssl.core import round as rd
@@ -407,8 +407,8 @@ def table_estimate(path: str, scale: str = 'paper', seeds: Sequence[int] = (0, 1
   """FLOPs and hours of every run of a table (module docstring: one step compiled per group)."""
   if not tflops > 0:
     raise cv.ConfigError(f'--tflops = {tflops:g} is invalid: must be > 0')
-  table = reproduce.load_table(path, scale)
-  planned = reproduce.plan_runs(table, seeds)
+  table = tables.load_table(path, scale)
+  planned = tables.plan_runs(table, seeds)
   runs = [r for r in planned if r.config is not None]
   groups: Dict[str, Dict[str, Any]] = {}
   total = 0.0

@@ -17,11 +17,12 @@ import pathlib
 
 from absl import flags
 
-from fedjax_ssl import configuration, experiment, logging_utils, run_identity
+from fedjax_ssl import configuration, experiment, run_identity
+from fedjax_ssl.runs import logging_utils
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 
 
 def reprobe(workdir: pathlib.Path, probe_epochs: int | None, standardize: bool,

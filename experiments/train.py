@@ -1,5 +1,5 @@
 r"""Federated SSL training binary: the flags and the process set-up (malloc, several processes, the
-cache folder) around the library's loop, `fedjax_ssl.training.train_and_evaluate`.
+cache folder) around the library's loop, `fedjax_ssl.runs.training.train_and_evaluate`.
 
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/quickstart
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/q --config.rounds=5
@@ -16,7 +16,7 @@ log is truncated to the restored round. At the end: linear probe and kNN of the 
 to those of the random-init encoder (WORKDIR/results.json, "status": "completed") and a plot of loss
 and accuracy against rounds (WORKDIR/metrics.png).
 
-What a run survives (fedjax_ssl/run_guard.py; each case ends in one line and an exit status):
+What a run survives (fedjax_ssl/runs/run_guard.py; each case ends in one line and an exit status):
   * divergence: a non-finite loss or round metric, or non-finite new server parameters, stop the
     run at that round (round, quantity, last finite value, what to try); results.json records
     "status": "diverged"; exit status 3.
@@ -27,7 +27,7 @@ What a run survives (fedjax_ssl/run_guard.py; each case ends in one line and an 
     WORKDIR/checkpoints/corrupt/<round> and the newest intact one is used; with none intact the run
     refuses to start over unless --restart.
   * a resume under another config: refused with the differences listed (keys that cannot change
-    results, run_guard.NEUTRAL_KEYS, may change); --allow_config_change continues and records the
+    results, resuming.NEUTRAL_KEYS, may change); --allow_config_change continues and records the
     change and its round in WORKDIR/config_changes.json and results.json.
   * a second run on the same workdir: refused while the first holds WORKDIR/run.lock (its host and
     pid); the lock of a run that died is taken over with a warning.
@@ -68,7 +68,8 @@ from ml_collections import config_flags  # noqa: E402
 import os  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import configuration, experiment, run_guard, run_identity, training  # noqa: E402
+from fedjax_ssl import configuration, experiment, run_identity  # noqa: E402
+from fedjax_ssl.runs import run_guard, training  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',

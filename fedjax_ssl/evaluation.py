@@ -250,13 +250,11 @@ def raw_pixel_metrics(config: ml_collections.ConfigDict, dataset: Dataset) -> Di
   encoder (`finetune.Pixels`), a linear classifier on the normalised pixels trained on the same
   labelled images with the protocol's optimiser, rates, batch and epochs, without its
   augmentation: a linear model on pixels has no invariance a crop could teach, and FedU2's crop +
-  flip costs it 11 points at 1 % of the labels (73.14 -> 62.04 %, 10 %: 77.63 -> 68.59 %; seed 0
-  of the FedU2 Table 1 fine-tuning evidence scale, docs/notes/evaluation.md#eval-24).
+  flip lowers its accuracy (docs/notes/evaluation.md#eval-24).
 
-  Standardised pixels are the strongest of the pixel inputs measured for the kNN (Fashion-MNIST,
-  20k bank, 1% labels, k = 200: 0.705 standardised, 0.690 with one global mean/std, 0.647 on [0, 1]
-  pixels; docs/notes/evaluation.md#eval-13), so the row is the bar a reader would set, not a weak
-  one. The probe standardises its inputs anyway."""
+  Standardised pixels are the strongest of the pixel inputs measured for the kNN (against one
+  global mean/std and [0, 1] pixels; docs/notes/evaluation.md#eval-13), so the row is the bar a
+  reader would set, not a weak one. The probe standardises its inputs anyway."""
   out: Dict[str, float] = {}
   if config.probe == 'logistic':
     pixels = lambda x: np.asarray(x, np.float32).reshape(len(x), -1)

@@ -124,9 +124,9 @@ def _check_command(words, problems, where):
         rf'--(\[no\])?{re.escape(name)}\b', _help(module)):
       problems.append(f'{where}: {module} has no flag --{name}')
   if module == 'experiments.reproduce' and flags.get('table'):
-    from fedjax_ssl import reproduce
+    from fedjax_ssl import tables
     try:
-      reproduce.load_table(flags['table'], flags.get('scale') or 'quick')
+      tables.load_table(flags['table'], flags.get('scale') or 'quick')
     except Exception as e:  # pylint: disable=broad-except
       problems.append(f'{where}: {flags["table"]} at scale {flags.get("scale") or "quick"}: {e}')
 

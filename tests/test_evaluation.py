@@ -215,3 +215,25 @@ def test_the_raw_pixel_reference_fine_tunes_the_pixels_on_the_models_labelled_im
     c.update(dict(config.to_dict(), **changes))
     assert experiment.has_raw_pixel_reference(c) == has, changes
 
+
+def test_evaluate_reports_the_standardised_probe_when_asked():
+  """probe_std_epochs > 0 adds 'probe_std_acc': the linear probe on z-scored features."""
+  from fedjax_ssl import eval as fs_eval  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.core import round as rd  # pylint: disable=g-import-not-at-top
+  from tests.runs import tiny_config  # pylint: disable=g-import-not-at-top
+  config = tiny_config(probe_std_epochs=3, probe_epochs=2)
+  experiment.validate_config(config)
+  dataset = experiment.load_data(config)
+  algo = experiment.build_algorithm(config, dataset)
+  state = rd.init_state(algo, jax.random.PRNGKey(0), config.num_clients)
+  got = experiment.evaluate(config, algo, state, dataset, knn=False)
+  variables, per_client = algo.eval_variables(state)
+  feats = [experiment.encoder_features(algo, variables, per_client, x, dataset)
+           for x in (dataset.train_x, dataset.test_x)]
+  for key, epochs, standardize in (('probe_acc', 2, False), ('probe_std_acc', 3, True)):
+    ref = fs_eval.linear_probe(feats[0], dataset.train_y, feats[1], dataset.test_y,
+                               dataset.num_classes, epochs=epochs,
+                               batch_size=config.probe_batch_size, lr=config.probe_lr,
+                               seed=config.seed, standardize=standardize)
+    assert got[key] == ref['test_acc'], key
+  assert experiment.evaluate(tiny_config(), algo, state, dataset, knn=False).keys() == {'probe_acc'}

@@ -7,8 +7,8 @@ import fedjax_ssl
 
 PACKAGE = pathlib.Path(fedjax_ssl.__file__).parent
 
-# Lowest first. A sub-package is one layer; the top-level modules form the top layer, except the
-# helpers every layer may use.
+# Lowest first. A sub-package is one layer; the top-level modules are the runner's API (below the
+# runs and tables that use it), except the helpers every layer may use.
 LAYERS = (
     ('config_validation', 'files'),   # helpers: import nothing of fedjax_ssl
     ('ops',),                         # federation-agnostic primitives
@@ -18,10 +18,9 @@ LAYERS = (
     ('ssl',),                         # SSL losses
     ('algorithms',),                  # the registry and one module per method
     ('eval',),                        # evaluation primitives (features, probes, kNN, protocol)
-    ('run_identity', 'evaluation', 'configuration', 'checkpoint', 'logging_utils', 'plotting',
-     'experiment', 'run_dir', 'run_guard', 'training', 'table_schema', 'table_stats', 'table_render',
-     'reproduce', '__init__'),  # the runner, the loop and
-                                                                         # the run's files
+    ('run_identity', 'configuration', 'evaluation', 'experiment', '__init__'),  # the runner's API
+    ('runs',),                        # one run: the loop, its directory, guard, checkpoints, logs
+    ('tables',),                      # tables of runs: schema, statistics, rendering
 )
 _LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -56,15 +55,33 @@ def test_every_module_is_in_a_layer():
   assert units <= set(_LAYER), f'modules in no layer: {sorted(units - set(_LAYER))}'
 
 
+def _upward(path: pathlib.Path, unit: str) -> list:
+  """'file:line (unit, layer i) imports X (layer j)' for each import of `path` (a module of `unit`)
+  from a higher layer."""
+  return [f'{path}:{line} ({unit}, layer {_LAYER[unit]}) imports {imported} '
+          f'(layer {_LAYER[imported]})'
+          for line, imported in _imported_units(path)
+          if imported in _LAYER and _LAYER[imported] > _LAYER[unit]]
+
+
 def test_no_module_imports_from_a_higher_layer():
-  upward = []
-  for path in sorted(PACKAGE.rglob('*.py')):
-    unit = _unit(path)
-    for line, imported in _imported_units(path):
-      if imported in _LAYER and _LAYER[imported] > _LAYER[unit]:
-        upward.append(f'{path.relative_to(PACKAGE.parent)}:{line} ({unit}, layer {_LAYER[unit]}) '
-                      f'imports {imported} (layer {_LAYER[imported]})')
+  upward = [line for path in sorted(PACKAGE.rglob('*.py')) for line in _upward(path, _unit(path))]
   assert not upward, 'imports from a higher layer:\n' + '\n'.join(upward)
+
+
+def test_an_upward_import_is_caught(tmp_path):
+  """The check itself: a runs module importing the tables, or the runner importing a run's module,
+  in any of the import forms, is reported; imports of its own layer and below are not."""
+  module = tmp_path / 'm.py'
+  module.write_text('from fedjax_ssl import tables\n'
+                    'import fedjax_ssl.tables.stats\n'
+                    'def f():\n  from fedjax_ssl.tables.schema import Table\n'
+                    'from fedjax_ssl.runs import checkpoint\n'
+                    'from fedjax_ssl import experiment, files\n')
+  assert [line.split(' imports ')[1].split()[0] for line in _upward(module, 'runs')] == [
+      'tables'] * 3
+  assert len(_upward(module, 'experiment')) == 4
+  assert _upward(module, 'tables') == []
 
 
 def test_the_helpers_import_nothing_of_the_package():
@@ -72,7 +89,8 @@ def test_the_helpers_import_nothing_of_the_package():
     assert not list(_imported_units(PACKAGE / f'{name}.py')), name
 
 
-def test_run_guard_does_not_reach_up_to_the_table_harness():
-  """Within the top layer: what a run survives needs the run's identity, not the tables."""
-  imported = {u for _, u in _imported_units(PACKAGE / 'run_guard.py')}
-  assert 'reproduce' not in imported and 'run_identity' in imported
+def test_the_run_guard_does_not_reach_up_to_the_tables():
+  """What a run survives needs the run's identity, not the tables (a layer below them)."""
+  guard = ('run_guard', 'lock', 'resuming', 'divergence', 'signals')
+  imported = {u for m in guard for _, u in _imported_units(PACKAGE / 'runs' / f'{m}.py')}
+  assert 'tables' not in imported and 'run_identity' in imported

@@ -19,7 +19,7 @@ quick: Fashion-MNIST (first 10,000 images), 10 clients x 2 classes, LeNet-5, 20 
   Results and verdicts: docs/results/fedsc/fmnist_quick/table.md (docs/notes/fedsc.md#fedsc-e6).
 """
 from configs.fedsc import common as fedsc_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 # Table 6 (full participation): dataset, eps, delta -> (sigma, share_start, share_every).
 TABLE6 = {
@@ -74,7 +74,7 @@ def _dp_cell(dataset, eps, delta, participation):
           'fedsc.share_start': start, 'fedsc.share_every': every}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     rows = {'FedAvg + SC': {'algorithm': 'fedsc', 'fedsc.share': False}}
     rows.update({f'eps={e}': {'algorithm': 'fedsc'} for e in EPS_LEVELS})
@@ -89,7 +89,7 @@ def get_table(scale: str) -> reproduce.Table:
         paper[(row, name, 'probe_acc')] = values[row]
         if row.startswith('eps=') and row != 'eps=inf':
           cell_overrides[(row, name)] = _dp_cell(dataset, int(row[4:]), delta, participation)
-    return reproduce.Table(
+    return tables.Table(
         name='fedsc_dp', title='FedSC Tables 3-5: DP-CalR privacy levels (linear probe)',
         base=fedsc_common.paper_base('cifar10'), rows=rows, columns=columns,
         metrics=('probe_acc',), paper=paper, scale=scale, cell_overrides=cell_overrides,
@@ -109,13 +109,13 @@ def get_table(scale: str) -> reproduce.Table:
       'Centralized SC': fedsc_common.CENTRALIZED,
       'FedAvg (supervised)': fedsc_common.SUPERVISED,
   }
-  return reproduce.Table(
+  return tables.Table(
       name='fedsc_dp', title='FedSC privacy levels on Fashion-MNIST (10 clients x 2 classes)',
       base=base, rows=rows, columns={'FMNIST 10/10 d=0.01': {}},
       metrics=('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'), scale=scale,
       # The paper's claims: sharing beats FedAvg + SC, and privacy costs little (eps 6 and 3 stay
       # above FedAvg + SC).
-      claims=tuple(reproduce.Claim(f'{r} > FedAvg + SC', r, 'FedAvg + SC', 'probe_acc')
+      claims=tuple(tables.Claim(f'{r} > FedAvg + SC', r, 'FedAvg + SC', 'probe_acc')
                    for r in ('FedSC eps=inf (every round)', 'FedSC eps=6 (t>10)',
                              'FedSC eps=3 (t>10)')),
       notes=('delta 1e-2; sigma calibrated by the ledger (dp-accounting RDP, replace-one) to the '

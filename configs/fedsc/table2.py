@@ -26,7 +26,7 @@ evidence: fedsc_common.evidence_base (the FedSSL evidence budget: first 20,000 i
   (docs/notes/fedsc.md#fedsc-e5, #fedsc-e7).
 """
 from configs.fedsc import common as fedsc_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 ROWS = dict(fedsc_common.BASELINES, **{'FedSC': fedsc_common.FEDSC,
                                        'Centralized SC': fedsc_common.CENTRALIZED},
@@ -65,7 +65,7 @@ def _dataset_overrides(name):
                                'batch_size', 'sc_mu')}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     base = fedsc_common.paper_base('cifar10')
     columns = _paper_columns()
@@ -83,20 +83,20 @@ def get_table(scale: str) -> reproduce.Table:
     base = fedsc_common.quick_base()
     columns = {'FMNIST 10/10': {'clients_per_round': 10}, 'FMNIST 2/10': {'clients_per_round': 2}}
     paper, rows, metrics = {}, dict(ROWS), PROTOCOL_METRICS
-  claims = (reproduce.Claim('FedSC > FedAvg + SC (sharing correlation matrices)', 'FedSC',
-                            'FedAvg + SC', 'probe_acc'),
-            reproduce.Claim('FedSC > FedAvg + BYOL', 'FedSC', 'FedAvg + BYOL', 'probe_acc'),
-            reproduce.Claim('FedSC learns', 'FedSC', reproduce.RANDOM_INIT, 'probe_acc'))
+  claims = (tables.Claim('FedSC > FedAvg + SC (sharing correlation matrices)', 'FedSC',
+                         'FedAvg + SC', 'probe_acc'),
+            tables.Claim('FedSC > FedAvg + BYOL', 'FedSC', 'FedAvg + BYOL', 'probe_acc'),
+            tables.Claim('FedSC learns', 'FedSC', tables.RANDOM_INIT, 'probe_acc'))
   if scale == 'evidence':
     claims = (claims[0],
-              reproduce.Claim('FedSC > FedAvg + SC, kNN', 'FedSC', 'FedAvg + SC', 'knn_acc'),
+              tables.Claim('FedSC > FedAvg + SC, kNN', 'FedSC', 'FedAvg + SC', 'knn_acc'),
               claims[2],
-              reproduce.Claim('FedSC learns (kNN)', 'FedSC', reproduce.RANDOM_INIT, 'knn_acc'),
-              reproduce.Claim('FedSC > raw pixels, 1% labels', 'FedSC', reproduce.RAW_PIXELS,
-                              'knn_acc_1pct'),
-              reproduce.Claim('supervised FedAvg > FedSC', 'FedAvg (supervised)', 'FedSC',
-                              'probe_acc'),
-              *(reproduce.Claim(f'centralized SC > FedSC ({n})', 'Centralized SC', 'FedSC', m)
+              tables.Claim('FedSC learns (kNN)', 'FedSC', tables.RANDOM_INIT, 'knn_acc'),
+              tables.Claim('FedSC > raw pixels, 1% labels', 'FedSC', tables.RAW_PIXELS,
+                           'knn_acc_1pct'),
+              tables.Claim('supervised FedAvg > FedSC', 'FedAvg (supervised)', 'FedSC',
+                           'probe_acc'),
+              *(tables.Claim(f'centralized SC > FedSC ({n})', 'Centralized SC', 'FedSC', m)
                 for n, m in (('probe', 'probe_acc'), ('kNN', 'knn_acc'))))
   scale_note = {
       'paper': 'Linear probe: Adam 3e-3, 200 epochs, backbone features, last epoch.',
@@ -106,7 +106,7 @@ def get_table(scale: str) -> reproduce.Table:
   protocol_note = ('' if scale == 'paper' else
                    'The evaluation protocol: L-BFGS logistic probe on standardised backbone features '
                    '(C from a grid on a held-out 10%), kNN k=200 / 20; 1% = 3 stratified draws. ')
-  return reproduce.Table(
+  return tables.Table(
       name='fedsc_table2', title='FedSC Table 2: linear probe, full and partial participation',
       base=base, rows=rows, columns=columns, metrics=metrics, paper=paper, scale=scale,
       claims=claims,

@@ -17,13 +17,13 @@ evidence: the FedSSL table's evidence setting (configs/fedssl/fmnist.py: first 2
   docs/results/fedssl/byol/table.md (docs/notes/fedssl.md#fedssl-20).
 """
 from configs.fedssl import fmnist
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SCALES = ('evidence', 'paper')
 ROWS = ('FedBYOL', 'FedU', 'FedEMA', 'FedAvg (supervised)')
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   fedssl = fmnist.get_table(scale)
   c = fedssl.base
   rows = {r: fedssl.rows[r] if r in fedssl.rows else fmnist.ROWS[r] for r in ROWS}
@@ -34,10 +34,10 @@ def get_table(scale: str) -> reproduce.Table:
     c.weight_decay = 5e-4
     c.rounds = 100
     claims = tuple(x for x in fmnist.CLAIMS if x.better in rows and x.worse in tuple(rows) + (
-        reproduce.RANDOM_INIT, reproduce.RAW_PIXELS)) + tuple(
-            reproduce.Claim(f'{r} > raw pixels, probe', r, reproduce.RAW_PIXELS, 'probe_acc')
+        tables.RANDOM_INIT, tables.RAW_PIXELS)) + tuple(
+            tables.Claim(f'{r} > raw pixels, probe', r, tables.RAW_PIXELS, 'probe_acc')
             for r in ROWS[:3])
-  return reproduce.Table(
+  return tables.Table(
       name='fedssl_byol',
       title=('The BYOL family on Fashion-MNIST (10 clients, Dirichlet(0.5), small CNN, target EMA '
              '0.99, weight decay 5e-4, 100 rounds)' if scale == 'evidence' else

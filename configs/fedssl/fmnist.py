@@ -34,7 +34,7 @@ Scales:
     5 local epochs, batch 128, SGD 0.032 cosine, weight decay 5e-4, BYOL EMA 0.99, probe 100 epochs
     (a GPU run).
 """
-from fedjax_ssl import experiment, reproduce
+from fedjax_ssl import experiment, tables
 
 ROWS = {
     'FedBYOL': dict(algorithm='fedavg', ssl_method='byol'),
@@ -64,15 +64,15 @@ ROWS = {
 SSL_ROWS = ('FedBYOL', 'FedSimSiam', 'FedSimCLR', 'FedU', 'FedEMA', 'FedSwAV', 'FedVICReg',
             'FedBarlow')
 CLAIMS = (
-    *(reproduce.Claim(f'{r} learns (probe)', r, reproduce.RANDOM_INIT, 'probe_acc') for r in SSL_ROWS),
-    *(reproduce.Claim(f'{r} learns (kNN)', r, reproduce.RANDOM_INIT, 'knn_acc') for r in SSL_ROWS),
-    *(reproduce.Claim(f'{r} > raw pixels, 1% labels', r, reproduce.RAW_PIXELS, 'knn_acc_1pct')
+    *(tables.Claim(f'{r} learns (probe)', r, tables.RANDOM_INIT, 'probe_acc') for r in SSL_ROWS),
+    *(tables.Claim(f'{r} learns (kNN)', r, tables.RANDOM_INIT, 'knn_acc') for r in SSL_ROWS),
+    *(tables.Claim(f'{r} > raw pixels, 1% labels', r, tables.RAW_PIXELS, 'knn_acc_1pct')
       for r in SSL_ROWS),
-    reproduce.Claim('FedEMA > FedBYOL', 'FedEMA', 'FedBYOL', 'probe_acc'),
-    reproduce.Claim('FedU > FedBYOL', 'FedU', 'FedBYOL', 'probe_acc'),
-    reproduce.Claim('FedBYOL > independent', 'FedBYOL', 'Independent (IL)', 'probe_acc'),
-    reproduce.Claim('centralized > FedBYOL', 'Centralized (CL)', 'FedBYOL', 'probe_acc'),
-    reproduce.Claim('supervised FedAvg > FedBYOL', 'FedAvg (supervised)', 'FedBYOL', 'probe_acc'),
+    tables.Claim('FedEMA > FedBYOL', 'FedEMA', 'FedBYOL', 'probe_acc'),
+    tables.Claim('FedU > FedBYOL', 'FedU', 'FedBYOL', 'probe_acc'),
+    tables.Claim('FedBYOL > independent', 'FedBYOL', 'Independent (IL)', 'probe_acc'),
+    tables.Claim('centralized > FedBYOL', 'Centralized (CL)', 'FedBYOL', 'probe_acc'),
+    tables.Claim('supervised FedAvg > FedBYOL', 'FedAvg (supervised)', 'FedBYOL', 'probe_acc'),
 )
 METRICS = ('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20')
 
@@ -86,7 +86,7 @@ COLUMNS = {
 }
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   c = experiment.default_config()
   c.dataset = 'fashion_mnist'
   c.num_clients = 10
@@ -146,29 +146,29 @@ def get_table(scale: str) -> reproduce.Table:
       rows[r] = ROWS[r]
     columns = {'Dir(0.5)': dict(partition='dirichlet', alpha=0.5)}
     claims = tuple(x for x in CLAIMS if x.better in rows and x.worse in tuple(rows) + (
-        reproduce.RANDOM_INIT, reproduce.RAW_PIXELS))
-    claims += (reproduce.Claim('FedSimCLR > raw pixels, probe', 'FedSimCLR', reproduce.RAW_PIXELS,
-                               'probe_acc'),
-               reproduce.Claim('supervised FedAvg > FedSimCLR', 'FedAvg (supervised)', 'FedSimCLR',
-                               'probe_acc'),
-               *(reproduce.Claim(f'centralized SimCLR > FedSimCLR ({n})', 'Centralized SimCLR (CL)',
-                                 'FedSimCLR', m)
+        tables.RANDOM_INIT, tables.RAW_PIXELS))
+    claims += (tables.Claim('FedSimCLR > raw pixels, probe', 'FedSimCLR', tables.RAW_PIXELS,
+                            'probe_acc'),
+               tables.Claim('supervised FedAvg > FedSimCLR', 'FedAvg (supervised)', 'FedSimCLR',
+                            'probe_acc'),
+               *(tables.Claim(f'centralized SimCLR > FedSimCLR ({n})', 'Centralized SimCLR (CL)',
+                              'FedSimCLR', m)
                  for n, m in (('probe', 'probe_acc'), ('kNN', 'knn_acc'))),
-               *(reproduce.Claim(f'{r} learns (kNN)', r, reproduce.RANDOM_INIT, 'knn_acc')
+               *(tables.Claim(f'{r} learns (kNN)', r, tables.RANDOM_INIT, 'knn_acc')
                  for r in ('FedSimCLR (IID)', 'Centralized SimCLR (CL)')),
-               *(reproduce.Claim(f'{r} > raw pixels, 1% labels', r, reproduce.RAW_PIXELS,
-                                 'knn_acc_1pct')
+               *(tables.Claim(f'{r} > raw pixels, 1% labels', r, tables.RAW_PIXELS,
+                              'knn_acc_1pct')
                  for r in ('FedSimCLR (IID)', 'Centralized SimCLR (CL)')),
-               reproduce.Claim('FedSimCLR (IID) > FedSimCLR (kNN)', 'FedSimCLR (IID)', 'FedSimCLR',
-                               'knn_acc'),
-               *(reproduce.Claim(f'FedMoCo {claim}', 'FedMoCo', reference, metric)
+               tables.Claim('FedSimCLR (IID) > FedSimCLR (kNN)', 'FedSimCLR (IID)', 'FedSimCLR',
+                            'knn_acc'),
+               *(tables.Claim(f'FedMoCo {claim}', 'FedMoCo', reference, metric)
                  for claim, reference, metric in (
-                     ('learns (probe)', reproduce.RANDOM_INIT, 'probe_acc'),
-                     ('learns (kNN)', reproduce.RANDOM_INIT, 'knn_acc'),
-                     ('> raw pixels, 1% labels', reproduce.RAW_PIXELS, 'knn_acc_1pct'))),
-               *(reproduce.Claim(f'{r} > raw pixels, probe', r, reproduce.RAW_PIXELS, 'probe_acc')
+                     ('learns (probe)', tables.RANDOM_INIT, 'probe_acc'),
+                     ('learns (kNN)', tables.RANDOM_INIT, 'knn_acc'),
+                     ('> raw pixels, 1% labels', tables.RAW_PIXELS, 'knn_acc_1pct'))),
+               *(tables.Claim(f'{r} > raw pixels, probe', r, tables.RAW_PIXELS, 'probe_acc')
                  for r in NEW_OBJECTIVE_ROWS))
-  return reproduce.Table(
+  return tables.Table(
       name='fedssl_fmnist',
       title=('FedSSL on Fashion-MNIST (10 clients): IID vs Dirichlet(0.1)' if scale != 'evidence' else
              'FedSSL on Fashion-MNIST (10 clients, Dirichlet(0.5), small CNN, 50 rounds): evidence scale'),

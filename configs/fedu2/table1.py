@@ -34,7 +34,7 @@ the seeds' spread. Results, 3 seeds, verdicts: docs/results/fedu2/table1_fmnist_
 causes: docs/notes/fedu2.md#fedu2-e15.
 """
 from configs.fedu2 import common as fedu2_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SCALES = ('quick', 'evidence', 'paper')
 
@@ -55,12 +55,12 @@ def rows(scale: str):
       'FedEMA-BYOL': b('byol', 'fedema'),
       'Orchestra': b('byol', 'orchestra'),
       **fedu2_common.fedu2_rows('byol'),
-      **reproduce.reference_rows('byol'),
+      **tables.reference_rows('byol'),
   }
 
 
 # Table 1's claim: FedU2 over each base method beats the base method.
-CLAIMS = tuple(reproduce.Claim(f'FedU2-{m} > Fed{m}', f'FedU2-{m}', f'Fed{m}', 'probe_acc')
+CLAIMS = tuple(tables.Claim(f'FedU2-{m} > Fed{m}', f'FedU2-{m}', f'Fed{m}', 'probe_acc')
                for m in ('SimSiam', 'SimCLR', 'BYOL'))
 
 # Fine-tuning epochs at quick scale: the protocol's 200 train 20 times longer than a CPU run affords
@@ -99,7 +99,7 @@ PAPER_FT = {
 }
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     base = fedu2_common.paper_base()
     columns = {f'{name} {setting}': {'dataset': ds, 'num_clients': k, 'clients_per_round': k}
@@ -118,7 +118,7 @@ def get_table(scale: str) -> reproduce.Table:
     columns = {f'FMNIST {k} clients': {'num_clients': k, 'clients_per_round': k} for k in (30, 10)}
     paper = {}
   base.finetune = 'fedu2'
-  return reproduce.Table(
+  return tables.Table(
       name='fedu2_table1', title='FedU2 Table 1: linear probe and fine-tuning, Dirichlet(0.1)',
       base=base, rows=rows(scale), columns=columns,
       metrics=('probe_acc', 'knn_acc', 'ft_acc_1pct', 'ft_acc_10pct'), paper=paper, scale=scale,
@@ -132,7 +132,7 @@ def get_table(scale: str) -> reproduce.Table:
              '. Orchestra: its first round sets up the global centroids (no training).'))
 
 
-def _evidence_table() -> reproduce.Table:
+def _evidence_table() -> tables.Table:
   """Table 1's rows at the FedSSL evidence budget, scored by the evaluation protocol: each base
   method with the baselines the paper pairs with it, FedU2 over SimCLR (the base method that learns
   at this budget; FedBYOL does not: docs/results/fedssl/evidence) with Table 2's two ablations
@@ -144,7 +144,7 @@ def _evidence_table() -> reproduce.Table:
   pairs = (('FedDecorr-SimSiam', 'FedSimSiam'), ('FedU-BYOL', 'FedBYOL'),
            ('FedEMA-BYOL', 'FedBYOL'), ('Orchestra', 'FedBYOL'))
   ssl_rows = tuple(r for r in names if 'supervised' not in r)
-  return reproduce.Table(
+  return tables.Table(
       name='fedu2_table1',
       title='FedU2 Table 1: Fashion-MNIST, Dirichlet(0.1), small CNN, 50 rounds',
       base=fedu2_common.evidence_base(),
@@ -152,35 +152,35 @@ def _evidence_table() -> reproduce.Table:
       rows={**{r: dict(rows('evidence')[r], **({'lr': 0.05} if 'supervised' in r else {}))
                for r in names},
             # The centralized reference of the base method that learns here.
-            'Centralized SimCLR': reproduce.reference_rows('simclr')['Centralized simclr']},
+            'Centralized SimCLR': tables.reference_rows('simclr')['Centralized simclr']},
       columns={'FMNIST 10 clients': {'num_clients': 10, 'clients_per_round': 10}},
       metrics=('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct', 'knn_acc_1pct_k20'),
       scale='evidence',
       claims=(CLAIMS[1],
-              reproduce.Claim('FedU2-SimCLR > FedSimCLR (kNN)', 'FedU2-SimCLR', 'FedSimCLR',
-                              'knn_acc'),
+              tables.Claim('FedU2-SimCLR > FedSimCLR (kNN)', 'FedU2-SimCLR', 'FedSimCLR',
+                           'knn_acc'),
               # Table 2's ablations over SimCLR: each of FUR and EUA contributes.
-              *(reproduce.Claim(f'FedU2-SimCLR > without {part} ({n})', 'FedU2-SimCLR',
-                                f'FedU2-{part}-SimCLR (no {part})', m)
+              *(tables.Claim(f'FedU2-SimCLR > without {part} ({n})', 'FedU2-SimCLR',
+                             f'FedU2-{part}-SimCLR (no {part})', m)
                 for part in ('FUR', 'EUA')
                 for n, m in (('probe', 'probe_acc'), ('kNN', 'knn_acc'))),
-              *(reproduce.Claim(f'{r} learns ({n})', r, reproduce.RANDOM_INIT, m)
+              *(tables.Claim(f'{r} learns ({n})', r, tables.RANDOM_INIT, m)
                 for r in ssl_rows for n, m in (('probe', 'probe_acc'), ('kNN', 'knn_acc'))),
               # The paper's ranking of the SimCLR group in its 10-client setting (Table 1, C10
               # Silo: FedU2 82.37, FedX 78.29, L-DAWA 75.48; cross-device puts FedX above FedU2).
-              reproduce.Claim('FedU2-SimCLR > L-DAWA-SimCLR', 'FedU2-SimCLR', 'L-DAWA-SimCLR',
-                              'probe_acc'),
-              reproduce.Claim('FedU2-SimCLR > FedX-SimCLR', 'FedU2-SimCLR', 'FedX-SimCLR',
-                              'probe_acc'),
-              reproduce.Claim('FedX-SimCLR > L-DAWA-SimCLR', 'FedX-SimCLR', 'L-DAWA-SimCLR',
-                              'probe_acc'),
+              tables.Claim('FedU2-SimCLR > L-DAWA-SimCLR', 'FedU2-SimCLR', 'L-DAWA-SimCLR',
+                           'probe_acc'),
+              tables.Claim('FedU2-SimCLR > FedX-SimCLR', 'FedU2-SimCLR', 'FedX-SimCLR',
+                           'probe_acc'),
+              tables.Claim('FedX-SimCLR > L-DAWA-SimCLR', 'FedX-SimCLR', 'L-DAWA-SimCLR',
+                           'probe_acc'),
               # Each baseline against its base method: the paper's C10 Silo has FedDecorr +3.95
               # over FedSimSiam, Orchestra +0.24 over FedBYOL, FedU -0.96 and FedEMA -1.12 under it.
-              *(reproduce.Claim(f'{b} > {w}', b, w, 'probe_acc') for b, w in pairs),
-              reproduce.Claim('FedU2-SimCLR > raw pixels, 1% labels', 'FedU2-SimCLR',
-                              reproduce.RAW_PIXELS, 'knn_acc_1pct'),
-              *(reproduce.Claim(f'centralized SimCLR > FedU2-SimCLR ({n})', 'Centralized SimCLR',
-                                'FedU2-SimCLR', m)
+              *(tables.Claim(f'{b} > {w}', b, w, 'probe_acc') for b, w in pairs),
+              tables.Claim('FedU2-SimCLR > raw pixels, 1% labels', 'FedU2-SimCLR',
+                           tables.RAW_PIXELS, 'knn_acc_1pct'),
+              *(tables.Claim(f'centralized SimCLR > FedU2-SimCLR ({n})', 'Centralized SimCLR',
+                             'FedU2-SimCLR', m)
                 for n, m in (('probe', 'probe_acc'), ('kNN', 'knn_acc')))),
       notes=('Evidence scale: the first 20,000 Fashion-MNIST images, 10 clients, Dirichlet(0.1), '
              'small CNN, 50 rounds of 1 local epoch, SGD 0.1 cosine for every SSL row '

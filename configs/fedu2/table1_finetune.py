@@ -21,22 +21,22 @@ evidence: Table 1's evidence setting (configs/fedu2/table1.py: first 20,000 Fash
   table.md.
 """
 from configs.fedu2 import table1
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SCALES = ('evidence', 'paper')
 ROWS = ('FedSimCLR', 'FedU2-SimCLR', 'FedBYOL', 'FedU2-BYOL', 'FedAvg (supervised)')
 METRICS = ('ft_acc_1pct', 'ft_acc_10pct')
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     full = table1.get_table('paper')
-    return reproduce.Table(
+    return tables.Table(
         name='fedu2_table1_finetune',
         title='FedU2 Table 1: fine-tuning with 1% / 10% of the labels',
         base=full.base, rows=full.rows, columns=full.columns, metrics=METRICS,
         paper={k: v for k, v in full.paper.items() if k[2] in METRICS}, scale=scale,
-        claims=tuple(reproduce.Claim(f'{c.text} ({m})', c.better, c.worse, m)
+        claims=tuple(tables.Claim(f'{c.text} ({m})', c.better, c.worse, m)
                      for c in full.claims for m in METRICS),
         notes=full.notes)
   evidence = table1.get_table('evidence')
@@ -47,14 +47,14 @@ def get_table(scale: str) -> reproduce.Table:
   ssl_rows = ROWS[:4]
   named = (('FT 1%', METRICS[0]), ('FT 10%', METRICS[1]))
   claims = (
-      *(reproduce.Claim(f'FedU2-{m} > Fed{m} ({n})', f'FedU2-{m}', f'Fed{m}', metric)
+      *(tables.Claim(f'FedU2-{m} > Fed{m} ({n})', f'FedU2-{m}', f'Fed{m}', metric)
         for m in ('SimCLR', 'BYOL') for n, metric in named),
-      *(reproduce.Claim(f'{r} learns ({n})', r, reproduce.RANDOM_INIT, metric)
+      *(tables.Claim(f'{r} learns ({n})', r, tables.RANDOM_INIT, metric)
         for r in ssl_rows for n, metric in named),
-      *(reproduce.Claim(f'{r} > raw pixels ({n})', r, reproduce.RAW_PIXELS, metric)
+      *(tables.Claim(f'{r} > raw pixels ({n})', r, tables.RAW_PIXELS, metric)
         for r in ssl_rows for n, metric in named),
   )
-  return reproduce.Table(
+  return tables.Table(
       name='fedu2_table1_finetune',
       title=('FedU2 Table 1, fine-tuning: Fashion-MNIST, Dirichlet(0.1), small CNN, 50 rounds, '
              'the FedU2 code\'s 200-epoch fine-tune'),

@@ -23,7 +23,7 @@ quick: Fashion-MNIST (first 10,000 images), the small CNN (ReLU features), 20 ro
   docs/notes/fedu2.md#fedu2-e4).
 """
 from configs.fedu2 import common as fedu2_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 
 
@@ -33,7 +33,7 @@ def rows(scale: str):
   return {'FedBYOL': b('fedavg'), 'FedU-BYOL': b('fedu'), 'FedEMA-BYOL': b('fedema'),
           'FedDecorr-BYOL': b('feddecorr'), 'L-DAWA-BYOL': b('ldawa'), 'FedX-BYOL': b('fedx'),
           'Orchestra': b('orchestra'),
-          **fedu2_common.fedu2_rows('byol'), **reproduce.reference_rows('byol')}
+          **fedu2_common.fedu2_rows('byol'), **tables.reference_rows('byol')}
 
 
 
@@ -41,8 +41,8 @@ def claims(metric: str):
   """FedU2's claim (Table 2): FUR + EUA beat FedBYOL, FedEMA and each ablation at every alpha
   (the paper's FedU2 row is the best of every column); a verdict per column that has runs."""
   rows = ('FedBYOL', 'FedEMA-BYOL', 'FedU2-FUR-BYOL (no FUR)', 'FedU2-EUA-BYOL (no EUA)')
-  return tuple(reproduce.Claim(f'FedU2-BYOL > {r}', 'FedU2-BYOL', r, metric) for r in rows) + (
-      reproduce.Claim('FedU2-BYOL learns', 'FedU2-BYOL', reproduce.RANDOM_INIT, metric),)
+  return tuple(tables.Claim(f'FedU2-BYOL > {r}', 'FedU2-BYOL', r, metric) for r in rows) + (
+      tables.Claim('FedU2-BYOL learns', 'FedU2-BYOL', tables.RANDOM_INIT, metric),)
 
 # Table 2 of the paper, kNN (%), in the order C10 0.1, 0.5, 5, C100 0.1, 0.5, 5.
 PAPER = {
@@ -60,7 +60,7 @@ PAPER = {
 ALPHAS = (0.1, 0.5, 5.0)
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     base = fedu2_common.paper_base()
     columns = {f'{name} a={a:g}': {'dataset': ds, 'alpha': a}
@@ -74,7 +74,7 @@ def get_table(scale: str) -> reproduce.Table:
     base.encoder = 'small_cnn'
     columns = {f'FMNIST a={a:g}': {'alpha': a} for a in ALPHAS}
     paper = {}
-  return reproduce.Table(
+  return tables.Table(
       name='fedu2_table2', title='FedU2 Table 2: kNN over Dirichlet alpha, 10 clients, BYOL',
       base=base, rows=rows(scale), columns=columns,
       metrics=(('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_best', 'knn_acc_1pct',

@@ -22,10 +22,10 @@ evidence: hetero_common.evidence_base (the first 20,000 images, RAD 1,000, 5 cli
   none does and mu = 1 > local SSL is confirmed on the probe and kNN
   (docs/results/hetero_ssfl/fmnist_evidence_clip/table.md, #hetero-e12).
 quick and evidence also have the trained references of each architecture of the mix: supervised
-  FedAvg and centralized SSL with every client on that encoder (reproduce.reference_rows).
+  FedAvg and centralized SSL with every client on that encoder (tables.reference_rows).
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 PAPER_MUS = (0.0, 1e-3, 1e-2, 0.1, 0.5, 1.0, 10.0)
 QUICK_MUS = (0.0, 0.1, 1.0, 10.0)
@@ -43,7 +43,7 @@ def _label(mu):
   return 'mu = 0 (local SSL)' if mu == 0 else f'mu = {mu:g}'
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   method = 'byol'
   if scale == 'paper':
     base, mix, rad, mus = hetero_common.paper_base('cifar10'), hetero_common.PAPER_MIX, 5000, PAPER_MUS
@@ -63,9 +63,9 @@ def get_table(scale: str) -> reproduce.Table:
   if scale != 'paper':
     # The trained references of each architecture: supervised FedAvg and centralized SSL with every
     # client on that encoder, on the clients' data (the same RAD carved out first); a run of one
-    # encoder fills that cohort's per-architecture metrics (reproduce.run_metric).
+    # encoder fills that cohort's per-architecture metrics (tables.run_metric).
     rows.update({f'{label}, {encoder}': row for encoder in encoders for label, row in
-                 reproduce.reference_rows(method, encoder=encoder, public_size=rad).items()})
+                 tables.reference_rows(method, encoder=encoder, public_size=rad).items()})
   probes = ('probe_acc',) + tuple(f'probe_acc_{e}' for e in encoders)
   # Per-architecture kNN at the evidence scale: there the two architectures move apart.
   knns = ('knn_acc',) + (tuple(f'knn_acc_{e}' for e in encoders) if scale == 'evidence' else ())
@@ -76,23 +76,23 @@ def get_table(scale: str) -> reproduce.Table:
   # The paper's claim: collaboration at its mu beats local SSL on every architecture; off the paper's
   # scale also whether the encoders learn at all (random init, raw pixels).
   collab = _label(mus[3] if scale == 'paper' else mus[1])
-  claims = tuple(reproduce.Claim(f'{collab} > local SSL ({m})', collab, _label(0.0), m)
+  claims = tuple(tables.Claim(f'{collab} > local SSL ({m})', collab, _label(0.0), m)
                  for m in probes)
   if scale != 'paper':
-    claims += (reproduce.Claim(f'{collab} learns (probe)', collab, reproduce.RANDOM_INIT, 'probe_acc'),
-               reproduce.Claim(f'{collab} learns (kNN)', collab, reproduce.RANDOM_INIT, 'knn_acc'),
-               reproduce.Claim(f'{collab} > raw pixels, 1% labels', collab, reproduce.RAW_PIXELS,
-                               'knn_acc_1pct'))
+    claims += (tables.Claim(f'{collab} learns (probe)', collab, tables.RANDOM_INIT, 'probe_acc'),
+               tables.Claim(f'{collab} learns (kNN)', collab, tables.RANDOM_INIT, 'knn_acc'),
+               tables.Claim(f'{collab} > raw pixels, 1% labels', collab, tables.RAW_PIXELS,
+                            'knn_acc_1pct'))
   if scale == 'evidence':
     # Whether the base method itself learns (what the quick scale's BYOL did not), and the
     # alignment's effect on kNN and at the larger mu.
     local, strong = _label(0.0), _label(mus[2])
-    claims += tuple(reproduce.Claim(f'{collab} > local SSL ({m})', collab, local, m) for m in knns)
-    claims += tuple(reproduce.Claim(f'{strong} > local SSL ({m})', strong, local, m)
+    claims += tuple(tables.Claim(f'{collab} > local SSL ({m})', collab, local, m) for m in knns)
+    claims += tuple(tables.Claim(f'{strong} > local SSL ({m})', strong, local, m)
                     for m in probes + knns)
-    claims += tuple(reproduce.Claim(f'local SSL learns ({m})', local, reproduce.RANDOM_INIT, m)
+    claims += tuple(tables.Claim(f'local SSL learns ({m})', local, tables.RANDOM_INIT, m)
                     for m in probes + knns)
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_mu_sweep', title='Hetero-SSFL: standalone (mu = 0) vs collaboration, by architecture',
       base=base, rows=rows, columns={column: {}}, metrics=metrics, paper=paper, scale=scale,
       claims=claims,

@@ -10,12 +10,12 @@ paper: hetero_common.paper_base('cifar100'), the 3 x ResNet-34 + 2 x ResNet-18 m
 quick: Fashion-MNIST, the small CNN / MLP mix, L in {250, 500, 1000}.
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SIZES = {'paper': (100, 500, 1000, 3000, 5000), 'quick': (250, 500, 1000)}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   base = hetero_common.paper_base('cifar100') if scale == 'paper' else hetero_common.quick_base()
   mix = hetero_common.PAPER_MIX if scale == 'paper' else hetero_common.QUICK_MIX
   cap = base.hetero_ssfl.rad_batch
@@ -23,7 +23,7 @@ def get_table(scale: str) -> reproduce.Table:
                               **{'hetero_ssfl.rad_batch': min(size, cap)})
           for size in SIZES[scale]}
   column = 'CIFAR-100 non-IID 5/5' if scale == 'paper' else 'FMNIST 5 x 2 classes'
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_rad_size', title='Hetero-SSFL: linear probe against the RAD size',
       base=base, rows=rows, columns={column: {}}, metrics=('probe_acc', 'knn_acc'), scale=scale,
       notes='Fig. 3 of the paper has no numbers; see the module docstring for its claims.')

@@ -16,7 +16,7 @@ quick: Fashion-MNIST (first 10,000 images), 5 clients, small CNN baselines and a
   MLP mix for Hetero-SSFL, 15 rounds; no paper number applies.
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 METHODS = ('FedBYOL', 'FedSimSiam', 'FedU', 'FedEMA', 'Hetero-SSFL', 'Supervised FedAvg',
            'Central-BYOL')
@@ -30,7 +30,7 @@ PAPER = {
 TINY_IMAGENET = dict(zip(METHODS, (31.8, 29.1, 58.23, 58.2, 61.5, 27.2, 78.7)))
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     base = hetero_common.paper_base('cifar10')
     columns = {f'{name.upper().replace("CIFAR", "CIFAR-")} {split}': dict(
@@ -46,7 +46,7 @@ def get_table(scale: str) -> reproduce.Table:
     base = hetero_common.quick_base()
     columns = {'FMNIST non-IID': dict(partition='classes'), 'FMNIST IID': dict(partition='iid')}
     rows, paper, skip = hetero_common.rows(hetero_common.QUICK_MIX, 1000), {}, frozenset()
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_table1', title='Hetero-SSFL Tables 1-2: linear probe, non-IID and IID, 5 clients',
       base=base, rows=rows, columns=columns, metrics=('probe_acc', 'knn_acc'), paper=paper,
       scale=scale, skip=skip,

@@ -13,7 +13,7 @@ quick: Fashion-MNIST (first 10,000 images), 5 / 20 clients with 2 / 1 classes (1
   round), the small CNN / MLP mix; no paper number applies.
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 METHODS = ('FedU', 'FedEMA', 'Hetero-SSFL', 'Supervised FedAvg')
 PAPER = {  # v001 (Hetero-SSFL 5 clients: 67.7 in v000 with mu = 0.5)
@@ -30,7 +30,7 @@ def _column(clients, per_round, classes, mix_encoders):
           'hetero_ssfl.mix': mix, 'hetero_ssfl.assignment': 'ordered' if clients == 5 else 'shuffled'}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   all_rows = hetero_common.rows(hetero_common.PAPER_MIX if scale == 'paper'
                                 else hetero_common.QUICK_MIX, 5000 if scale == 'paper' else 1000)
   rows = {k: all_rows[k] for k in METHODS}
@@ -53,7 +53,7 @@ def get_table(scale: str) -> reproduce.Table:
   # The mix only applies to Hetero-SSFL: the baselines run one architecture.
   overrides = {(row, col): {'hetero_ssfl.mix': '', 'hetero_ssfl.assignment': 'ordered'}
                for row in rows if row != 'Hetero-SSFL' for col in columns}
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_table3', title='Hetero-SSFL Table 3: scale and partial participation (CIFAR-100)',
       base=base, rows=rows, columns=columns, metrics=('probe_acc', 'knn_acc'), paper=paper,
       scale=scale, cell_overrides=overrides,

@@ -34,7 +34,7 @@ evidence: the clipped evidence setting of mu_sweep.py (hetero_common.evidence_ba
 Every scale skips the linear probe (these tables report fine-tuning only); the kNN monitor stays.
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 METHODS = ('FedU', 'FedEMA', 'Hetero-SSFL')
 METRICS = ('ft_acc_1pct', 'ft_acc_10pct')
@@ -45,16 +45,16 @@ PAPER = {
 }
 
 # The papers' claim: Hetero-SSFL beats both baselines at either fraction of the labels.
-CLAIMS = tuple(reproduce.Claim(f'Hetero-SSFL > {row} ({metric})', 'Hetero-SSFL', row, metric)
+CLAIMS = tuple(tables.Claim(f'Hetero-SSFL > {row} ({metric})', 'Hetero-SSFL', row, metric)
                for metric in METRICS for row in ('FedEMA', 'FedU'))
 # Off the paper's scale: whether fine-tuning from each method's encoder beats fine-tuning its
 # random-init encoder the same way (the quick scale's budget may not teach anything).
-LEARNS = tuple(reproduce.Claim(f'{row} learns ({metric})', row, reproduce.RANDOM_INIT, metric)
+LEARNS = tuple(tables.Claim(f'{row} learns ({metric})', row, tables.RANDOM_INIT, metric)
                for metric in METRICS for row in METHODS)
 # And whether it beats the protocol's linear classifier on the pixels (the raw-pixel row:
 # eval/finetune.Pixels fine-tuned the same way on the same labelled images).
-ABOVE_PIXELS = tuple(reproduce.Claim(f'{row} > raw pixels ({metric})', row, reproduce.RAW_PIXELS,
-                                     metric) for metric in METRICS for row in METHODS)
+ABOVE_PIXELS = tuple(tables.Claim(f'{row} > raw pixels ({metric})', row, tables.RAW_PIXELS,
+                                  metric) for metric in METRICS for row in METHODS)
 REFERENCES = ('Supervised FedAvg', 'Central-BYOL')
 
 
@@ -73,7 +73,7 @@ def _evidence_rows():
           'Supervised FedAvg': rows['Supervised FedAvg']}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   methods, claims = METHODS, CLAIMS
   if scale == 'evidence':
     # The clipped evidence setting of the mu sweep, where no client collapses (HETERO-E12).
@@ -83,11 +83,11 @@ def get_table(scale: str) -> reproduce.Table:
     all_rows = _evidence_rows()
     methods = tuple(all_rows)
     paper = {}
-    claims += tuple(reproduce.Claim(f'Hetero-SSFL > FedSimCLR ({m})', 'Hetero-SSFL', 'FedSimCLR', m)
+    claims += tuple(tables.Claim(f'Hetero-SSFL > FedSimCLR ({m})', 'Hetero-SSFL', 'FedSimCLR', m)
                     for m in METRICS)
-    claims += tuple(reproduce.Claim(f'{row} {what} ({m})', row, ref, m)
-                    for what, ref in (('learns', reproduce.RANDOM_INIT),
-                                      ('> raw pixels', reproduce.RAW_PIXELS))
+    claims += tuple(tables.Claim(f'{row} {what} ({m})', row, ref, m)
+                    for what, ref in (('learns', tables.RANDOM_INIT),
+                                      ('> raw pixels', tables.RAW_PIXELS))
                     for m in METRICS for row in methods[:4])
   elif scale == 'paper':
     base = hetero_common.paper_base('cifar10')
@@ -107,7 +107,7 @@ def get_table(scale: str) -> reproduce.Table:
     methods += REFERENCES
   base.finetune = 'hetero_ssfl'
   base.probe, base.probe_epochs = 'adam', 0   # no linear probe: its numbers are not reported here
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_table5_6',
       title='Hetero-SSFL Tables 5-6: semi-supervised fine-tuning, 1% and 10% of the labels',
       base=base, rows={k: all_rows[k] for k in methods}, columns=columns, metrics=METRICS,

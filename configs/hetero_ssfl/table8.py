@@ -12,7 +12,7 @@ quick: Fashion-MNIST, the MLP as the small model next to small CNNs: "20 % small
   "40 % small" 2 MLP + 3 CNN, standalone = the 40 % mix with mu = 0.
 """
 from configs.hetero_ssfl import common as hetero_common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 PAPER_GROUPS = {'20 % small': (39.4, 64.2), '40 % small': (37.5, 63.7),
                 'Standalone': (28.8, 55.3)}
@@ -24,7 +24,7 @@ MIXES = {
 ENCODERS = {'paper': ('hetero_cnn', 'mlp', 'resnet18', 'resnet34'), 'quick': ('mlp', 'small_cnn')}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   mixes = MIXES[scale]
   rad = 5000 if scale == 'paper' else 1000
   base = hetero_common.paper_base('cifar100') if scale == 'paper' else hetero_common.quick_base()
@@ -33,7 +33,7 @@ def get_table(scale: str) -> reproduce.Table:
   rows['Standalone'] = hetero_common.hetero_row(mixes['40 % small'], rad, 0.0)
   column = 'CIFAR-100 non-IID 5/5' if scale == 'paper' else 'FMNIST 5 x 2 classes'
   metrics = ('probe_acc',) + tuple(f'probe_acc_{e}' for e in ENCODERS[scale])
-  return reproduce.Table(
+  return tables.Table(
       name='hetero_table8', title='Hetero-SSFL Table 8: small and ResNet clients in one federation',
       base=base, rows=rows, columns={column: {}}, metrics=metrics, scale=scale,
       notes=('Paper (mean over small clients, mean over ResNet clients): ' +

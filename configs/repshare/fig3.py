@@ -10,12 +10,12 @@ paper: MNIST / LeNet-5, N = 5, 100 rounds (configs/repshare/common.paper_base), 
 quick: the same grid on Fashion-MNIST / LeNet-5 (the dataset this machine has), N = 5, 20 rounds.
 """
 from configs.repshare import common as rc
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 GRID = (0.0, 0.1, 1.0, 10.0, 100.0)
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   dataset, rounds = ('mnist', 100) if scale == 'paper' else ('fashion_mnist', 20)
   base = rc.paper_base()
   for key, value in rc.task(dataset, encoder='lenet5', rounds=rounds, num_clients=5,
@@ -23,7 +23,7 @@ def get_table(scale: str) -> reproduce.Table:
     base[key] = value
   rows = {f'lambda_kd={kd:g}': {'algorithm': 'repshare', 'repshare.lambda_kd': kd} for kd in GRID}
   columns = {f'lambda_disc={d:g}': {'repshare.lambda_disc': d} for d in GRID}
-  return reproduce.Table(
+  return tables.Table(
       name='repshare_fig3',
       title='Representation sharing Fig. 3: test accuracy over the (lambda_kd, lambda_disc) grid',
       base=base, rows=rows, columns=columns, metrics=('test_acc',), scale=scale,

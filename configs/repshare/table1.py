@@ -14,7 +14,7 @@ quick: the Fashion-MNIST column only (the dataset this machine has), everything 
   docs/results/repshare/fmnist_quick/table.md (docs/notes/repshare.md#repshare-e5).
 """
 from configs.repshare import common as rc
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 # Table 1, % (rows CL, FL, IL, FD, Ours; CL only at N = 2).
 PAPER = {
@@ -31,7 +31,7 @@ def _columns(datasets):
   return {f'{rc.LABELS[d]} N={n}': rc.column(d, n) for d in datasets for n in rc.CLIENTS}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     base, datasets = rc.paper_base(), tuple(rc.TASKS)
     columns = _columns(datasets)
@@ -44,14 +44,14 @@ def get_table(scale: str) -> reproduce.Table:
     columns = {k: dict(v, encoder='lenet5') for k, v in _columns(datasets).items()}
     paper = {}
   skip = frozenset(('CL', f'{rc.LABELS[d]} N={n}') for d in datasets for n in rc.CLIENTS[1:])
-  return reproduce.Table(
+  return tables.Table(
       name='repshare_table1',
       title='Representation sharing Table 1: test accuracy, client mean, after r rounds',
       base=base, rows=rc.ROWS, columns=columns, metrics=('test_acc',), paper=paper, scale=scale,
       # The paper's ordering: Ours > FL > IL (CL is the all-data ceiling).
-      claims=(reproduce.Claim('Ours > FL', 'Ours', 'FL', 'test_acc'),
-              reproduce.Claim('FL > IL', 'FL', 'IL', 'test_acc'),
-              reproduce.Claim('Ours > IL', 'Ours', 'IL', 'test_acc')),
+      claims=(tables.Claim('Ours > FL', 'Ours', 'FL', 'test_acc'),
+              tables.Claim('FL > IL', 'FL', 'IL', 'test_acc'),
+              tables.Claim('Ours > IL', 'Ours', 'IL', 'test_acc')),
       skip=skip,
       notes=('Each client classifier on the full 10,000-image test set after the last round; the '
              'client mean (CL: its single model; FL: the global model). IID equal split of the '

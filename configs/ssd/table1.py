@@ -24,7 +24,7 @@ paper: configs/ssd/common.paper_base (the official code's protocol), the paper's
 each cell.
 """
 from configs.ssd import common
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SCALES = ('quick', 'evidence', 'paper')
 
@@ -34,19 +34,19 @@ COLUMNS_SMALL = {'FMNIST silo 10': {'num_clients': 10, 'clients_per_round': 10},
 
 def rows():
   return {**common.rows(),
-          'FedAvg (supervised)': reproduce.reference_rows('align_uniform')['FedAvg (supervised)']}
+          'FedAvg (supervised)': tables.reference_rows('align_uniform')['FedAvg (supervised)']}
 
 
 def claims(metric: str, columns=()):
   """SSD above each baseline, the ablation's order, and SSD learning at all."""
-  out = [reproduce.Claim(f'SSD > {b}', 'SSD', b, metric, columns) for b in common.BASELINES]
-  out += [reproduce.Claim('+DSR > FedAlignUniform', 'FedAlignUniform + DSR', 'FedAlignUniform',
-                          metric, columns),
-          reproduce.Claim('SSD (+DSR +PD) > +DSR', 'SSD', 'FedAlignUniform + DSR', metric,
-                          columns),
-          reproduce.Claim('SSD (+DSR +PD) > +PD', 'SSD', 'FedAlignUniform + PD', metric, columns),
-          reproduce.Claim('SSD > random init', 'SSD', reproduce.RANDOM_INIT, metric, columns),
-          reproduce.Claim('SSD > raw pixels', 'SSD', reproduce.RAW_PIXELS, metric, columns)]
+  out = [tables.Claim(f'SSD > {b}', 'SSD', b, metric, columns) for b in common.BASELINES]
+  out += [tables.Claim('+DSR > FedAlignUniform', 'FedAlignUniform + DSR', 'FedAlignUniform',
+                       metric, columns),
+          tables.Claim('SSD (+DSR +PD) > +DSR', 'SSD', 'FedAlignUniform + DSR', metric,
+                       columns),
+          tables.Claim('SSD (+DSR +PD) > +PD', 'SSD', 'FedAlignUniform + PD', metric, columns),
+          tables.Claim('SSD > random init', 'SSD', tables.RANDOM_INIT, metric, columns),
+          tables.Claim('SSD > raw pixels', 'SSD', tables.RAW_PIXELS, metric, columns)]
   return tuple(out)
 
 
@@ -71,7 +71,7 @@ PAPER_ABLATION = {'FedAlignUniform + PD': (80.74, 69.78, 80.71),
 PAPER_METRICS = ('probe_acc', 'ft_acc_1pct', 'ft_acc_10pct')
 
 
-def _paper_table() -> reproduce.Table:
+def _paper_table() -> tables.Table:
   columns = {f'{name} {setting}': {'dataset': ds, 'num_clients': k, 'clients_per_round': 10}
              for name, ds in (('C10', 'cifar10'), ('C100', 'cifar100'))
              for setting, k in (('Silo', 10), ('Dev', 50))}
@@ -79,7 +79,7 @@ def _paper_table() -> reproduce.Table:
            for col, vals in zip(columns, per_col) for m, v in zip(PAPER_METRICS, vals)}
   paper.update({(r, 'C10 Silo', m): v for r, vals in PAPER_ABLATION.items()
                 for m, v in zip(PAPER_METRICS, vals)})
-  return reproduce.Table(
+  return tables.Table(
       name='ssd_table1', title='SSD Table 1: linear probe and fine-tuning, Dirichlet(0.1)',
       base=common.paper_base(), rows=rows(), columns=columns,
       metrics=('probe_acc', 'knn_acc', 'ft_acc_1pct', 'ft_acc_10pct'), paper=paper,
@@ -91,13 +91,13 @@ def _paper_table() -> reproduce.Table:
              'epochs. The CIFAR-100 pretraining of the transfer table is not in this table.'))
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   if scale == 'paper':
     return _paper_table()
   evidence = scale == 'evidence'
   metrics = (('probe_acc', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct') if evidence
              else ('probe_acc', 'knn_acc'))
-  return reproduce.Table(
+  return tables.Table(
       name='ssd_table1',
       title=('SSD Table 1: Fashion-MNIST, Dirichlet(0.1), '
              + ('small CNN, 50 rounds' if evidence else 'LeNet-5, 20 rounds')),

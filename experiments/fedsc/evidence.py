@@ -24,8 +24,9 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import plotting, reproduce
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl import tables
+from fedjax_ssl.runs import plotting
+from fedjax_ssl.runs.run_dir import RunDir
 
 # The columns of privacy.md: results.json keys of the evaluation protocol, and their headers.
 METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % labels (%)'),
@@ -34,10 +35,10 @@ METRICS = (('probe_acc', 'linear probe (%)'), ('probe_acc_1pct', 'probe, 1 % lab
 REFERENCES = (('random_init', 'random-init encoder'), ('raw_pixels', 'raw pixels'))
 
 
-def collect(table: reproduce.Table, seeds, out: pathlib.Path) -> dict:
+def collect(table: tables.Table, seeds, out: pathlib.Path) -> dict:
   """row -> list of per-seed dicts (final metrics, privacy summary, kNN curve) of finished runs."""
   rows = {}
-  for run in reproduce.plan_runs(table, seeds):
+  for run in tables.plan_runs(table, seeds):
     rundir = RunDir(run.workdir(out))
     results = rundir.read_results()
     if results is None:
@@ -165,7 +166,7 @@ def plot_knn_rounds(rows: dict, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def write_evidence(table: reproduce.Table, seeds, out: pathlib.Path) -> str:
+def write_evidence(table: tables.Table, seeds, out: pathlib.Path) -> str:
   """Writes privacy.md, privacy.json and the two plots from out's finished runs; returns the
   markdown."""
   rows = collect(table, seeds, out)
@@ -191,14 +192,14 @@ def define_flags() -> None:
   flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
   flags.DEFINE_string('table', 'configs/fedsc/dp.py', 'The table that made OUT.')
   flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds to read.')
-  flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES), 'Scale of the table.')
+  flags.DEFINE_enum('scale', 'quick', list(tables.SCALES), 'Scale of the table.')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
-  table = reproduce.load_table(f.table, f.scale)
+  table = tables.load_table(f.table, f.scale)
   print(write_evidence(table, [int(s) for s in f.seeds], pathlib.Path(f.out)))
 
 

@@ -28,11 +28,12 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from fedjax_ssl import experiment, plotting
+from fedjax_ssl import experiment
+from fedjax_ssl.runs import plotting
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import augment
 from fedjax_ssl.eval import geometry
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl.ssl.losses import l2_normalize
 
 

@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from fedjax_ssl import experiment  # pylint: disable=wrong-import-position
-from fedjax_ssl import plotting  # pylint: disable=wrong-import-position
+from fedjax_ssl.runs import plotting  # pylint: disable=wrong-import-position
 from fedjax_ssl.core import round as rd  # pylint: disable=wrong-import-position
-from fedjax_ssl.run_dir import RunDir  # pylint: disable=wrong-import-position
+from fedjax_ssl.runs.run_dir import RunDir  # pylint: disable=wrong-import-position
 
 FRAMEWORKS = ('il', 'fl', 'fd', 'ours', 'cl')
 NAMES = {'il': 'IL', 'fl': 'FL', 'fd': 'FD', 'ours': 'Ours', 'cl': 'CL'}

@@ -11,7 +11,7 @@ nothing. The run's own round step is the winner's, already compiled.
 
 Strategies compute the same function but agree only to float rounding, so a run records its
 resolved strategy in its workdir and a resume uses that one, whatever the cache says
-(`fedjax_ssl.training`: WORKDIR/strategy.json).
+(`fedjax_ssl.runs.training`: WORKDIR/strategy.json).
 
 On a CPU there is one candidate, `map` with chunk 1, so nothing is timed: every CPU measurement
 so far found `vmap` slower (docs/notes/performance.md#perf-2; the quickstart's round: 16.7 s

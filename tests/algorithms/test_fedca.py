@@ -14,7 +14,7 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
 from fedjax_ssl.algorithms import fedca, hetero_ssfl, ssl_client
-from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.runs.checkpoint import Checkpointer
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import restore_client

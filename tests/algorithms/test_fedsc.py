@@ -189,7 +189,7 @@ def test_bad_fedsc_configs_name_the_key(overrides, message):
 def test_train_logs_epsilon_every_round_and_reports_it(tmp_path):
   """A tiny DP run of the binary: epsilon per round in metrics.jsonl (growing with the shares) and
   the final ledger value in results.json, equal to the planned one (full participation)."""
-  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
   config = experiment.default_config()
   config.update(dict(algorithm='fedsc', ssl_method='sc', heads='custom', proj_hidden=16,
                      proj_out=8, head_bn=False, dataset='fashion_mnist_subset', train_size=120,

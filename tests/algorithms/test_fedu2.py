@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment, models, reproduce, run_identity
+from fedjax_ssl import experiment, models, run_identity, tables
 from fedjax_ssl.algorithms import fedu2, ssl_client
 from fedjax_ssl.core import optim
 from fedjax_ssl.data import augment
@@ -162,15 +162,15 @@ def test_fedu2_needs_an_ssl_method_and_rejects_unknown_sub_keys():
 
 
 def test_tables_override_sub_config_keys_with_dots():
-  table = reproduce.load_table('configs/fedu2/table2.py', 'quick')
+  table = tables.load_table('configs/fedu2/table2.py', 'quick')
   row = 'FedU2-FUR-BYOL (no FUR)'
   col = next(iter(table.columns))
-  config = reproduce.cell_config(table, row, col, seed=1)
+  config = tables.cell_config(table, row, col, seed=1)
   assert config.fedu2.fur == 'none' and config.algorithm == 'fedu2'
-  bad = reproduce.Table(name='t', title='t', base=table.base, rows={'r': {'fedu2.nope': 1}},
-                        columns={'c': {}}, metrics=('knn_acc',))
+  bad = tables.Table(name='t', title='t', base=table.base, rows={'r': {'fedu2.nope': 1}},
+                     columns={'c': {}}, metrics=('knn_acc',))
   with pytest.raises(cv.ConfigError, match=r"config key 'fedu2.nope' does not exist"):
-    reproduce.cell_config(bad, 'r', 'c', seed=0)
+    tables.cell_config(bad, 'r', 'c', seed=0)
   # fedu2 keys do not split the runs of other algorithms.
   a, b = experiment.default_config(), experiment.default_config()
   b.fedu2.lambda_u = 0.5

@@ -17,7 +17,7 @@ from fedjax_ssl import algorithms, configuration, experiment
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 from tests import dtypes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -164,7 +164,7 @@ def _records(workdir):
 @pytest.mark.slow
 def test_two_processes_equal_one_process_and_resume(tmp_path):
   from configs import quickstart
-  from fedjax_ssl import training as train
+  from fedjax_ssl.runs import training as train
   config = quickstart.get_config()
   for flag in TRAIN_FLAGS[1:]:
     key, value = flag[len('--config.'):].split('=', 1)

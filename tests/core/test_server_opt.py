@@ -12,7 +12,7 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import algorithms, experiment
 from fedjax_ssl.algorithms import fedavg, ssl_client
-from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.runs.checkpoint import Checkpointer
 from fedjax_ssl.core import rng, server_opt
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm, Prepare, weighted_mean

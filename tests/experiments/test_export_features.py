@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from fedjax_ssl import checkpoint, core, experiment
+from fedjax_ssl import core, experiment
+from fedjax_ssl.runs import checkpoint
 from fedjax_ssl.config_validation import ConfigError
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def _tiny_config(**overrides):
 
 @pytest.fixture(scope='module')
 def run(tmp_path_factory):
-  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
   workdir = tmp_path_factory.mktemp('run')
   train.train_and_evaluate(_tiny_config(), str(workdir), verbose=False)
   return workdir

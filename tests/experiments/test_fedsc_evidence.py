@@ -6,7 +6,7 @@ import json
 import numpy as np
 
 from experiments.fedsc import evidence
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 
 def _final(base):
@@ -16,8 +16,8 @@ def _final(base):
 
 
 def test_privacy_table_from_finished_runs(tmp_path):
-  table = reproduce.load_table('configs/fedsc/dp.py', 'quick')
-  runs = reproduce.plan_runs(table, [0, 1])
+  table = tables.load_table('configs/fedsc/dp.py', 'quick')
+  runs = tables.plan_runs(table, [0, 1])
   for i, run in enumerate(runs):
     workdir = run.workdir(tmp_path)
     workdir.mkdir(parents=True)

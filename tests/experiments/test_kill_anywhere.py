@@ -35,7 +35,8 @@ FEDSC = {'dp': True, 'sigma': 0.5, 'calr_views': 2}
 _CHILD = textwrap.dedent('''
     import json, os, signal, sys
     from configs import quickstart
-    from fedjax_ssl import experiment, training
+    from fedjax_ssl import experiment
+    from fedjax_ssl.runs import training
     from fedjax_ssl.core import compilation
     from fedjax_ssl.core import round as rd
 

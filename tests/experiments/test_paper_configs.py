@@ -27,7 +27,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from fedjax_ssl import algorithms, configuration, experiment, models, reproduce
+from fedjax_ssl import algorithms, configuration, experiment, models, tables
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import sources
@@ -66,7 +66,7 @@ def _module(path: pathlib.Path):
 
 
 def _has_paper_scale(path: pathlib.Path) -> bool:
-  return 'paper' in getattr(_module(path), 'SCALES', reproduce.DEFAULT_TABLE_SCALES)
+  return 'paper' in getattr(_module(path), 'SCALES', tables.DEFAULT_TABLE_SCALES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,9 +74,9 @@ def paper_cells() -> Tuple[Tuple[str, ml_collections.ConfigDict], ...]:
   """(name, config) of every cell of every table's paper scale and of every paper train config."""
   cells = []
   for path in TABLES:
-    table = reproduce.load_table(str(path), 'paper')
-    cells += [(f'{path.parent.name}/{path.stem}:{reproduce.cell_id(r, c)}',
-               reproduce.cell_config(table, r, c, seed=0)) for r, c in table.cells()]
+    table = tables.load_table(str(path), 'paper')
+    cells += [(f'{path.parent.name}/{path.stem}:{tables.cell_id(r, c)}',
+               tables.cell_config(table, r, c, seed=0)) for r, c in table.cells()]
   cells += [(f'{p.parent.name}/{p.stem}', _module(p).get_config()) for p in TRAIN_CONFIGS]
   return tuple(cells)
 

@@ -17,7 +17,7 @@ import pytest
 from experiments import plan
 from fedjax_ssl.core import compilation
 from configs import quickstart
-from fedjax_ssl import configuration, experiment, reproduce
+from fedjax_ssl import configuration, experiment, tables
 from fedjax_ssl.data import partition
 from tests import subprocess_env
 
@@ -111,8 +111,8 @@ def test_table_estimate_is_the_sum_of_its_runs():
   # One step compiled per variant: lambda_kd and lambda_disc each zero (that term off) or not.
   assert e['runs'] == 25 and len(e['groups']) == 4
   assert sum(g['runs'] for g in e['groups'].values()) == 25
-  config = reproduce.cell_config(reproduce.load_table(path, 'quick'), 'lambda_kd=0',
-                                 'lambda_disc=0', seed=0)
+  config = tables.cell_config(tables.load_table(path, 'quick'), 'lambda_kd=0',
+                              'lambda_disc=0', seed=0)
   sizes = plan.client_sizes(config, configuration.dataset_info(config))
   steps = config.rounds * plan.real_steps(sizes, config)  # the same clients in every run
   for g in e['groups'].values():

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Table files define get_table; the train configs beside them (configs/fedu2/paper_cross_*.py) are
@@ -19,7 +19,7 @@ def _scales(path):
   spec = importlib.util.spec_from_file_location(f'_scan_{path.parent.name}_{path.stem}', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return getattr(module, 'SCALES', reproduce.DEFAULT_TABLE_SCALES)
+  return getattr(module, 'SCALES', tables.DEFAULT_TABLE_SCALES)
 
 
 def test_the_tables_are_found():
@@ -30,7 +30,7 @@ def test_the_tables_are_found():
 @pytest.mark.parametrize('path', TABLES, ids=lambda p: f'{p.parent.name}/{p.stem}')
 def test_every_cell_of_every_scale_validates(path):
   for scale in _scales(path):
-    table = reproduce.load_table(str(path), scale)
-    runs = reproduce.plan_runs(table, seeds=[0])
+    table = tables.load_table(str(path), scale)
+    runs = tables.plan_runs(table, seeds=[0])
     errors = [f'{r.name}: {r.config_error}' for r in runs if r.config_error]
     assert not errors, f'{path.name} at scale {scale!r}: {errors[:3]}'

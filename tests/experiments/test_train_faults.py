@@ -18,7 +18,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fedjax_ssl import experiment, run_guard, training
+from fedjax_ssl import experiment
+from fedjax_ssl.runs import lock, numerics, run_guard, signals, training
 from fedjax_ssl.core import round as rd
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -53,7 +54,7 @@ def compilation_cache(tmp_path_factory):
 
 
 def _train(workdir, **kwargs):
-  from fedjax_ssl import training as train  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
   overrides = kwargs.pop('config', {})
   return train.train_and_evaluate(_config(**overrides), str(workdir), verbose=False, **kwargs)
 
@@ -204,7 +205,7 @@ def test_sigterm_saves_the_round_and_the_resume_is_exact(baseline, tmp_path, mon
     return state, metrics
   _round_step_hook(monkeypatch, sigterm_after_2)
   # checkpoint_every=10 (a key that cannot change results): round 2 is saved only on the signal.
-  with pytest.raises(run_guard.Preempted) as stopped:
+  with pytest.raises(signals.Preempted) as stopped:
     _train(workdir, config=dict(checkpoint_every=10))
   assert stopped.value.code == 143
   err = capfd.readouterr().err
@@ -233,12 +234,12 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   measured = full['strategy']
   assert measured['source'] == 'measured' and set(measured['seconds']) == {'map1', 'vmap'}
   assert json.loads((tmp_path / 'full' / 'strategy.json').read_text()) == measured
-  host = training.numerics_host()
+  host = numerics.numerics_host()
   assert measured['host'] == host and host['cpu_threads'] == len(os.sched_getaffinity(0))
   # A fresh start, and a workdir from before the record: nothing to say.
-  assert training.host_change(None, host) is None
-  assert training.host_change({'strategy': 'map'}, host) is None
-  assert training.host_change(measured, host) is None
+  assert numerics.host_change(None, host) is None
+  assert numerics.host_change({'strategy': 'map'}, host) is None
+  assert numerics.host_change(measured, host) is None
 
   stopped = tmp_path / 'stopped'
   def sigterm_after_2(r, state, metrics):
@@ -247,7 +248,7 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
     return state, metrics
   with monkeypatch.context() as m:
     _round_step_hook(m, sigterm_after_2)
-    with pytest.raises(run_guard.Preempted):
+    with pytest.raises(signals.Preempted):
       _train(stopped, config=config, cache_dir=cache)
   assert json.loads((stopped / 'strategy.json').read_text())['source'] == 'cache'
   other = 'vmap' if measured['strategy'] == 'map' else 'map'
@@ -257,7 +258,7 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   (cache / 'strategy.json').write_text(json.dumps(entries))
   capfd.readouterr()
   with monkeypatch.context() as m:
-    m.setattr(training, 'numerics_host', lambda: dict(host, cpu_threads=host['cpu_threads'] + 1))
+    m.setattr(numerics, 'numerics_host', lambda: dict(host, cpu_threads=host['cpu_threads'] + 1))
     resumed = _train(stopped, config=config, cache_dir=cache)
   warnings = [l for l in capfd.readouterr().err.splitlines() if l.startswith('warning:')]
   assert warnings == [
@@ -335,7 +336,7 @@ def test_a_resume_under_another_config_is_refused_unless_allowed(baseline, tmp_p
 
 def test_a_second_run_on_the_workdir_is_refused(baseline, tmp_path, monkeypatch, capfd):
   workdir = _copy(baseline, tmp_path)
-  with run_guard.WorkdirLock(workdir / 'run.lock') as holder, monkeypatch.context() as m:
+  with lock.WorkdirLock(workdir / 'run.lock') as holder, monkeypatch.context() as m:
     holder.acquire()
     _no_data(m)
     with pytest.raises(run_guard.RunStateError, match=(
@@ -355,7 +356,7 @@ def test_a_second_run_on_the_workdir_is_refused(baseline, tmp_path, monkeypatch,
 def test_binary_refuses_a_held_workdir_in_one_line(tmp_path):
   workdir = tmp_path / 'w'
   workdir.mkdir()
-  with run_guard.WorkdirLock(workdir / 'run.lock') as holder:
+  with lock.WorkdirLock(workdir / 'run.lock') as holder:
     holder.acquire()
     out = _binary(workdir)
   assert out.returncode == run_guard.EXIT_REFUSED == 1
@@ -366,11 +367,11 @@ def test_binary_refuses_a_held_workdir_in_one_line(tmp_path):
 
 
 def test_the_harness_marks_a_diverged_run_instead_of_averaging_it(tmp_path):
-  from fedjax_ssl import reproduce  # pylint: disable=g-import-not-at-top
-  table = reproduce.Table(name='t', title='t', base=experiment.default_config(),
-                          rows={'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')},
-                          columns={'IID': dict(partition='iid')}, metrics=('probe_acc',))
-  runs = reproduce.plan_runs(table, seeds=[0, 1])
+  from fedjax_ssl import tables  # pylint: disable=g-import-not-at-top
+  table = tables.Table(name='t', title='t', base=experiment.default_config(),
+                       rows={'A': dict(ssl_method='simclr'), 'B': dict(ssl_method='byol')},
+                       columns={'IID': dict(partition='iid')}, metrics=('probe_acc',))
+  runs = tables.plan_runs(table, seeds=[0, 1])
   diverged = {'status': 'diverged', 'random_init': {'probe_acc': 0.5},
               'diverged': {'round': 7, 'quantity': 'loss', 'value': 'nan'}}
   done = {'status': 'completed', 'final': {'probe_acc': 0.6}, 'random_init': {'probe_acc': 0.5}}
@@ -380,13 +381,13 @@ def test_the_harness_marks_a_diverged_run_instead_of_averaging_it(tmp_path):
     (wd / 'config.json').write_text(json.dumps(run.config.to_dict()))
     ok = run.cells == [('A', 'IID')] and run.seed == 0
     (wd / 'results.json').write_text(json.dumps(done if ok else diverged))
-  a, b = reproduce.summarize(table, runs, tmp_path)
+  a, b = tables.summarize(table, runs, tmp_path)
   assert (a['n'], a['values'], a['errors']) == (1, [60.0], [])
   assert a['diverged'] == ['seed 1: diverged at round 7 (loss)']
   assert b['n'] == 0 and len(b['diverged']) == 2
-  md = reproduce.markdown(table, [a, b], [0, 1])
+  md = tables.markdown(table, [a, b], [0, 1])
   assert '| A | 60.00 [1 of 2 seeds, 1 diverged] |' in md and '| B | diverged |' in md
-  reproduce.write_csv([a, b], tmp_path / 'table.csv')
+  tables.write_csv([a, b], tmp_path / 'table.csv')
   assert 'seed 0: diverged at round 7 (loss) | seed 1: diverged' in (
       tmp_path / 'table.csv').read_text()
 
@@ -404,7 +405,8 @@ def test_a_full_disk_ends_in_one_line_and_the_resume_is_exact(where, baseline, t
   results.json) ends the run with RunStateError (one `error:` line, exit status 1 in the binary)
   naming the file; the checkpoints and metric rows before it are intact, and once there is room the
   same command resumes to exactly the uninterrupted run."""
-  from fedjax_ssl import checkpoint, files, logging_utils  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl import files  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import checkpoint, logging_utils  # pylint: disable=g-import-not-at-top
   workdir = tmp_path / 'run'
   if where == 'metrics':
     real = logging_utils.MetricsWriter.write

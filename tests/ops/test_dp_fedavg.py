@@ -13,7 +13,7 @@ import pytest
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
-from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.runs.checkpoint import Checkpointer
 from fedjax_ssl.core import rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.ops import dp_fedavg
@@ -176,7 +176,7 @@ def test_training_logs_epsilon_every_round_and_the_dp_block(tmp_path):
   """The binary's loop: epsilon after each round in metrics.jsonl, results.json's 'dp' block with
   the last round's epsilon (equal to the planned one) and the settings."""
   import json  # pylint: disable=g-import-not-at-top
-  from fedjax_ssl import training  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training  # pylint: disable=g-import-not-at-top
   config = _dp_config(clip_norm=2.0, target_epsilon=50.0, delta=1e-3)
   config.update(dict(rounds=2, checkpoint_every=2, knn_k=5))
   results = training.train_and_evaluate(config, str(tmp_path / 'w'), verbose=False)
@@ -261,17 +261,17 @@ def test_a_round_without_present_participants_still_releases_noise_over_m():
 def test_a_resume_may_not_change_what_the_ledger_assumes():
   """Even --allow_config_change: a changed dp key, or the rounds / sampling of a DP run, would
   count earlier rounds under settings they did not run with. Other changes and non-DP runs pass."""
-  from fedjax_ssl import run_guard  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import resuming, run_guard  # pylint: disable=g-import-not-at-top
   stored = _dp_config(noise_multiplier=1.0)
   for key, value in (('dp.noise_multiplier', 0.5), ('rounds', 3), ('dp.enabled', False)):
     current = _dp_config(noise_multiplier=1.0)
     node, leaf = (current.dp, key[3:]) if key.startswith('dp.') else (current, key)
     node[leaf] = value
-    changes = run_guard.config_changes(stored, current)
+    changes = resuming.config_changes(stored, current)
     with pytest.raises(run_guard.RunStateError, match=re.escape('a resume cannot change ')):
-      run_guard.refuse_dp_changes(changes, current.dp.enabled)
+      resuming.refuse_dp_changes(changes, current.dp.enabled)
   current = _dp_config(noise_multiplier=1.0)
   current.lr = 0.5
-  run_guard.refuse_dp_changes(run_guard.config_changes(stored, current), True)
+  resuming.refuse_dp_changes(resuming.config_changes(stored, current), True)
   plain, longer = _small_config('fedavg'), _small_config('fedavg', rounds=5)
-  run_guard.refuse_dp_changes(run_guard.config_changes(plain, longer), False)
+  resuming.refuse_dp_changes(resuming.config_changes(plain, longer), False)

@@ -15,7 +15,7 @@ from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import optim, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data.types import DataInfo
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 from tests.algorithms import test_registry
 
 BUILT_IN = ('byol', 'simsiam', 'simclr', 'sc', 'supervised', 'vicreg', 'barlow_twins', 'moco',

@@ -1,5 +1,5 @@
 """A table's outputs: table.csv (and reading it back), table.md with its verdicts, table.png and the
-kNN curves against rounds (curves.png). The numbers come from `table_stats`."""
+kNN curves against rounds (curves.png). The numbers come from `tables.stats`."""
 from __future__ import annotations
 
 import csv
@@ -12,11 +12,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import files, plotting
-from fedjax_ssl.run_dir import RunDir
-from fedjax_ssl.table_schema import RunSpec, Table, metric_name, run_status
-from fedjax_ssl.table_stats import (COLLAPSE_MARGIN, REFERENCE_TOLERANCE, mark_collapsed,
-                                    verdicts)
+from fedjax_ssl import files
+from fedjax_ssl.runs import plotting
+from fedjax_ssl.runs.run_dir import RunDir
+from fedjax_ssl.tables.schema import RunSpec, Table, metric_name, run_status
+from fedjax_ssl.tables.stats import (COLLAPSE_MARGIN, REFERENCE_TOLERANCE, mark_collapsed,
+                                     verdicts)
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
   return '–' if x is None or not math.isfinite(x) else f'{x:.{digits}f}'
@@ -130,8 +131,7 @@ def _reference_groups(rows: Sequence[str], columns: Sequence[str], metrics: Sequ
   Rows of one encoder share one random-init row in table.md; a table whose rows start from
   different encoders (a mix and its single-architecture references) gets one per encoder rather
   than an average of unlike models. The tolerance, not equality: one encoder scored in two
-  processes drifts in the last digits (0.012 points between a fresh run and the carried cells of
-  the quick Hetero-SSFL table). Every metric at once, so that unlike encoders level on one metric
+  processes drifts in the last digits (docs/notes/harness.md#harn-18). Every metric at once, so that unlike encoders level on one metric
   still split. A row with no per-seed value joins the first group."""
   groups: List[Tuple[Dict[Tuple[str, str, int], float], List[str]]] = []
   unscored = []
@@ -211,7 +211,7 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
   if collapsed:
     lines += ['', '## Collapsed seeds', '',
               f'Left out of every mean and verdict of their cell: a seed whose full-label score is '
-              f'within {COLLAPSE_MARGIN:g} points of chance (`reproduce.COLLAPSE_MARGIN`).', '']
+              f'within {COLLAPSE_MARGIN:g} points of chance (`tables.COLLAPSE_MARGIN`).', '']
     lines += [f'- `{cell}` {why}' for cell, why in collapsed]
   at_chance = sorted({(e['cell'], why) for e in summary for why in e.get('at_chance', [])})
   if at_chance:

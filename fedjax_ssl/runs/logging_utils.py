@@ -103,8 +103,12 @@ def read_metrics(path: str) -> list[dict]:
 class MetricsWriter:
   """Appends per-round scalar metrics to ``metrics.jsonl`` and TensorBoard."""
 
-  def __init__(self, workdir: str):
-    os.makedirs(workdir, exist_ok=True)
+  def __init__(self, workdir: str, writes: bool = True):
+    """`writes=False`: the writer of a process that does not write (one of a multi-process run's
+    other processes): it writes, truncates and reads nothing."""
+    self.writes = writes
+    if writes:
+      os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.jsonl_path = os.path.join(workdir, METRICS_FILE)
     self.tb_dir = os.path.join(workdir, TB_DIR)
@@ -135,6 +139,8 @@ class MetricsWriter:
     if not isinstance(round_idx, int):
       raise ValueError(f'round_idx = {round_idx!r} is invalid: must be an integer')
     record = {'round': round_idx, **flatten_metrics(metrics)}
+    if not self.writes:
+      return record
     # One write() of one complete line, flushed: a kill leaves at most a torn
     # last line, which read_metrics/truncate_after drop.
     with open(self.jsonl_path, 'a', encoding='utf-8') as f:
@@ -154,6 +160,8 @@ class MetricsWriter:
     marker in the next event file. ``round_idx = -1`` clears the log (a fresh
     start in a used workdir).
     """
+    if not self.writes:
+      return
     if os.path.exists(self.jsonl_path):
       kept = [r for r in read_metrics(self.jsonl_path) if r['round'] <= round_idx]
       files.write_text(self.jsonl_path, ''.join(json.dumps(r) + '\n' for r in kept))
@@ -161,6 +169,12 @@ class MetricsWriter:
       self._tb.close()
       self._tb = None
     self._purge_step = round_idx + 1
+
+  def read(self) -> list[dict]:
+    """The records logged so far ([] when none, or when this writer does not write)."""
+    if not self.writes or not os.path.exists(self.jsonl_path):
+      return []
+    return read_metrics(self.jsonl_path)
 
   def close(self) -> None:
     if self._tb is not None:
@@ -200,13 +214,60 @@ def progress(total: int, initial: int = 0, desc: str = 'rounds',
 _log = logging.getLogger('fedjax_ssl')
 
 
-def say(message: str, echo: bool = True) -> None:
+def say(message: str, echo: bool = True, *, stacklevel: int = 2) -> None:
   """A line meant for a person: logged at INFO (so it is in the run's log file) and, with
   ``echo``, printed to stdout through ``tqdm.write`` (a running bar is redrawn below it)."""
-  _log.info(message, stacklevel=2)
+  _log.info(message, stacklevel=stacklevel)
   if echo:
     tqdm.tqdm.write(message, file=sys.stdout)
     sys.stdout.flush()
+
+
+def report(line: str, echo: bool = True, *, stacklevel: int = 2) -> None:
+  """A fault line ('warning: ...', 'error: ...'): the run's log file always; stderr when `echo`,
+  through tqdm so that a running bar is redrawn below it."""
+  _log.info(line, stacklevel=stacklevel)
+  if echo:
+    sys.stdout.flush()
+    tqdm.tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
+
+
+class Console:
+  """What one process of a run shows a person (the idea of Flax's
+  `create_default_writer(just_logging=...)`): every line goes to the run's log file, and to the
+  console only in the process that prints (process 0 of a multi-process run; `for_process`); the
+  lines meant for a person only when `verbose` too. The loop's stages call it without asking which
+  process they run in.
+
+    console.say(line)     a line for a person: stdout when verbose
+    console.log(line)     the log file only (details a person reads after the fact)
+    console.report(line)  a fault line ('warning: ...', 'error: ...'): stderr
+    console.progress(..)  the rounds bar (hidden in the processes that do not print)
+  """
+
+  def __init__(self, prints: bool = True, verbose: bool = True):
+    self.prints = prints
+    self.verbose = verbose and prints
+
+  @classmethod
+  def for_process(cls, process: int, verbose: bool = True) -> 'Console':
+    """The console of process `process` of a run: process 0 prints."""
+    return cls(prints=process == 0, verbose=verbose)
+
+  def say(self, message: str) -> None:
+    say(message, echo=self.verbose, stacklevel=3)
+
+  def log(self, message: str) -> None:
+    say(message, echo=False, stacklevel=3)
+
+  def report(self, line: str) -> None:
+    report(line, echo=self.prints, stacklevel=3)
+
+  def progress(self, total: int, initial: int = 0, desc: str = 'rounds', **tqdm_kwargs
+               ) -> Progress:
+    """`progress`, hidden (tqdm's disable=True) where this process does not print."""
+    return progress(total, initial, desc, disable=None if self.prints else True, **tqdm_kwargs)
 
 
 class ConsoleHandler(logging.Handler):

@@ -1,7 +1,7 @@
 """A result table's definition and the runs it plans: scales, metric names, claims, `Table` (rows x
 columns -> config overrides, over seeds), loading a table file, each cell's config, and the run
-directories under a table's output folder with their status. Statistics are `table_stats`,
-rendering `table_render`; `fedjax_ssl.reproduce` is the API over the three."""
+directories under a table's output folder with their status. Statistics are `tables.stats`,
+rendering `tables.render`; `fedjax_ssl.tables` is the API over the three."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +16,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment, run_identity
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 
 SCALES = ('quick', 'evidence', 'paper')
 # A table file lists the scales it defines in its own SCALES (these two when it does not).

@@ -1,6 +1,6 @@
 """A table's statistics: the runs' results summarised per (cell, metric) over seeds, the verdicts
 of its claims, collapsed seeds (and single values at chance) taken out of every mean, cells carried from an earlier table.csv, and
-the per-seed references filled in. Definitions are `table_schema`; rendering is `table_render`."""
+the per-seed references filled in. Definitions are `tables.schema`; rendering is `tables.render`."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import configuration
-from fedjax_ssl.table_schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
-                                     cell_id, cohort_metric, metric_name, run_status)
+from fedjax_ssl.tables.schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
+                                      cell_id, cohort_metric, metric_name, run_status)
 
 def run_metric(metric: str, payload: Dict[str, Any],
                config: Optional[ml_collections.ConfigDict]) -> str:
@@ -149,10 +149,9 @@ def verdicts(table: Table, summary: Sequence[Dict[str, Any]]) -> List[Dict[str, 
 
 # A seed is collapsed when its trained encoder carries no class information: its full-label score
 # (the first of COLLAPSE_METRICS the cell has) lies within COLLAPSE_MARGIN points of chance,
-# 100 / classes. 2 points on 10 classes: the committed collapsed runs score 10.00 to 10.02 (every
-# feature the same vector: uniformity 0, effective rank 1, docs/results/fedu2/fmnist_quick/geometry.md);
-# the nearest seed above them, FedU2-BYOL at alpha 0.1 seed 2 (probe 13.88, kNN 13.59, effective
-# rank > 1), keeps some class information and is counted, as a weak seed, not a collapsed one.
+# 100 / classes. The margin sits between the committed collapsed runs (every feature the same
+# vector) and the nearest seed above them, which keeps some class information and is counted as a
+# weak seed; their scores: docs/notes/harness.md#harn-19.
 COLLAPSE_MARGIN = 2.0
 COLLAPSE_METRICS = ('probe_acc', 'knn_acc', 'test_acc')
 # Metrics whose random-init reference is at chance by construction, not by failure: a supervised
@@ -264,9 +263,10 @@ def carry_over(table: Table, summary: Sequence[Dict[str, Any]],
 
 
 # How far, in points, one reference measured twice may drift: a carried cell's recomputed mean
-# against the mean its table.csv stored (`fill_references`; at most 0.0067 over the committed
-# tables) and one encoder's per-seed score in two processes (`_reference_groups`; 0.012 seen). A
-# wider gap means another evaluator, config or encoder, which must not be paired or grouped.
+# against the mean its table.csv stored (`fill_references`; docs/notes/harness.md#harn-16) and one
+# encoder's per-seed score in two processes (`_reference_groups`; docs/notes/harness.md#harn-18),
+# with room to spare. A wider gap means another evaluator, config or encoder, which must not be
+# paired or grouped.
 REFERENCE_TOLERANCE = 0.05
 
 

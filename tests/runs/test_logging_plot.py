@@ -1,4 +1,4 @@
-"""Tests for fedjax_ssl.logging_utils and fedjax_ssl.plotting."""
+"""Tests for fedjax_ssl.runs.logging_utils and fedjax_ssl.runs.plotting."""
 
 import glob
 import io
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from fedjax_ssl.logging_utils import MetricsWriter, progress, read_metrics
-from fedjax_ssl.plotting import plot_metrics, save_figure
+from fedjax_ssl.runs.logging_utils import MetricsWriter, progress, read_metrics
+from fedjax_ssl.runs.plotting import plot_metrics, save_figure
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -201,11 +201,11 @@ def test_plot_metrics_errors(tmp_path):
 def test_metrics_png_draws_the_random_init_and_raw_pixel_references():
   """The accuracy panels get both reference lines where both were measured; raw pixels are absent
   on the synthetic set (None) and have no kNN-monitor-only keys."""
-  from fedjax_ssl import training
-  lines = training._reference_lines(['knn_acc', 'probe_acc', 'test_acc'],
-                                    {'knn_acc': 0.75, 'probe_acc': 0.82},
-                                    {'knn_acc': 0.81, 'probe_acc': 0.84, 'probe_acc_draws': [0.8]})
+  from fedjax_ssl.runs.shared_references import References
+  lines = References({'knn_acc': 0.75, 'probe_acc': 0.82},
+                     {'knn_acc': 0.81, 'probe_acc': 0.84, 'probe_acc_draws': [0.8]}
+                     ).lines(['knn_acc', 'probe_acc', 'test_acc'])
   assert lines == {'knn_acc': {'random-init encoder': 0.75, 'raw pixels': 0.81},
                    'probe_acc': {'random-init encoder': 0.82, 'raw pixels': 0.84}}
-  assert training._reference_lines(['knn_acc'], {'knn_acc': 0.75}, None) == {
+  assert References({'knn_acc': 0.75}, None).lines(['knn_acc']) == {
       'knn_acc': {'random-init encoder': 0.75}}

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fedjax_ssl import experiment, files
-from fedjax_ssl.run_dir import RunDir
+from fedjax_ssl.runs.run_dir import RunDir
 
 
 def test_the_files_of_a_run_directory(tmp_path):

@@ -14,7 +14,7 @@ harness and the binaries that read a finished run agree on them.
     error.json            a table's run that raised: its error and traceback (experiments.reproduce)
     metrics.png           the curves, with the reference rows as dashed lines
     train.log             the library's log (train.process<i>.log for process i > 0)
-    run.lock              the live run's lock (run.process<i>.lock; run_guard.WorkdirLock)
+    run.lock              the live run's lock (run.process<i>.lock; lock.WorkdirLock)
 
 Every write is atomic (`files.write_json`); a write that finds no room raises `files.DiskFull`
 naming the file.
@@ -28,13 +28,17 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import ml_collections
 
-from fedjax_ssl import checkpoint, configuration, files, logging_utils, run_identity
+from fedjax_ssl import configuration, files, run_identity
+from fedjax_ssl.runs import checkpoint, logging_utils
 
 
 @dataclasses.dataclass(frozen=True)
 class RunDir:
-  """The files of the run directory `path` (module docstring)."""
+  """The files of the run directory `path` (module docstring). `writes=False`: the view of a
+  process that reads them but leaves every write to another (the other processes of a
+  multi-process run, where process 0 writes): its writes do nothing."""
   path: pathlib.Path
+  writes: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, 'path', pathlib.Path(self.path))
@@ -97,6 +101,8 @@ class RunDir:
 
   def write_json(self, path: pathlib.Path, obj: Any) -> None:
     """Writes `obj` to `path` atomically; DiskFull(path) for lack of space."""
+    if not self.writes:
+      return
     with files.writing(path):
       files.write_json(path, obj)
 
@@ -127,6 +133,8 @@ class RunDir:
 
     A file of its own rather than a key of config.json: config.json holds config keys only, which
     `read_config`'s callers (reprobe, export_features) validate."""
+    if not self.writes:
+      return []
     history = self.read_config_changes()
     history.append({'round': int(round_idx),
                     'changes': {k: [old, new] for k, (old, new) in changes.items()}})
@@ -135,7 +143,8 @@ class RunDir:
 
   def clear_config_changes(self) -> None:
     """Forgets the recorded changes (a run that starts over from round 0 has none)."""
-    self.config_changes_file.unlink(missing_ok=True)
+    if self.writes:
+      self.config_changes_file.unlink(missing_ok=True)
 
   def read_results(self) -> Optional[dict]:
     return self.read_json(self.results_file)
@@ -150,7 +159,7 @@ class RunDir:
     return logging_utils.read_metrics(str(self.metrics_file))
 
   def metrics_writer(self) -> logging_utils.MetricsWriter:
-    return logging_utils.MetricsWriter(str(self.path))
+    return logging_utils.MetricsWriter(str(self.path), writes=self.writes)
 
   def checkpointer(self, save_every: int = 0, *, read_only: bool = False
                    ) -> checkpoint.Checkpointer:

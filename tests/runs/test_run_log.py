@@ -5,7 +5,7 @@ import logging
 from absl import logging as absl_logging
 import pytest
 
-from fedjax_ssl import logging_utils
+from fedjax_ssl.runs import logging_utils
 
 
 @pytest.fixture

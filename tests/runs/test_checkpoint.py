@@ -1,4 +1,4 @@
-"""Tests for fedjax_ssl.checkpoint (orbax-based Checkpointer)."""
+"""Tests for fedjax_ssl.runs.checkpoint (orbax-based Checkpointer)."""
 
 import gc
 import logging
@@ -16,9 +16,9 @@ import optax
 import pytest
 from orbax.checkpoint._src.path import atomicity_types
 
-from fedjax_ssl.checkpoint import Checkpointer, UnreadableCheckpoint
+from fedjax_ssl.runs.checkpoint import Checkpointer, UnreadableCheckpoint
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @flax.struct.dataclass
@@ -150,7 +150,7 @@ _KILLED_SAVE_SCRIPT = textwrap.dedent('''
     import os, sys
     import jax, jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from fedjax_ssl.checkpoint import Checkpointer
+    from fedjax_ssl.runs.checkpoint import Checkpointer
 
     ckpt = Checkpointer(sys.argv[1], save_every=1)
     ckpt.maybe_save(1, {'w': jnp.full((4,), 1.0), 'key': jax.random.PRNGKey(1)})

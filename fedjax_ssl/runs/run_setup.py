@@ -1,0 +1,172 @@
+"""A run's first stage (`training.setup`): the config checked against the workdir's, the data, the
+algorithm, the strategy and the compiled round, as one `Run` that the later stages share, and the
+run's round-0 state (`InitialState`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+
+from fedjax_ssl import algorithms, configuration, experiment
+from fedjax_ssl.algorithms import Plan
+from fedjax_ssl.core import autotune, comm, strategies
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.algorithm import Algorithm
+from fedjax_ssl.core.state import FedState
+from fedjax_ssl.data import partition
+from fedjax_ssl.data.info import DatasetInfo
+from fedjax_ssl.data.types import Dataset, FedData
+from fedjax_ssl.runs import checkpoint, logging_utils, numerics, resuming
+from fedjax_ssl.runs.run_dir import RunDir
+
+
+class InitialState:
+  """The run's round-0 state, built anew on each call (it holds every client's state, so a run
+  keeps one copy); with several processes, global arrays (every process built the same data and
+  state). On the device it is one compiled program (`rd.compiled_init`, cached across runs); an
+  `init` that cannot be traced runs eagerly, with a warning."""
+
+  def __init__(self, config: ml_collections.ConfigDict, algo: Algorithm, init_key: jax.Array):
+    self._config, self._algo, self._key = config, algo, init_key
+    self._init_fn = None  # the compiled `algo.init` on first use; False: eager
+
+  def __call__(self) -> FedState:
+    config, algo = self._config, self._algo
+    if self._init_fn is None and config.client_state == 'device':
+      self._init_fn = rd.compiled_init(algo, config.num_clients)
+    try:
+      state = rd.init_state(algo, self._key, config.num_clients,
+                            client_state=config.client_state, init_fn=self._init_fn or None)
+    except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
+      if not self._init_fn:
+        raise
+      logging.warning('%s.init cannot be one program (%s): initialised eagerly', algo.name,
+                      str(e).splitlines()[0][:200])
+      self._init_fn = False
+      state = rd.init_state(algo, self._key, config.num_clients, client_state=config.client_state)
+    return state.replace(server=strategies.replicate(state.server),
+                         round=strategies.replicate(state.round),
+                         clients=(state.clients if config.client_state == 'host' else
+                                  strategies.replicate(state.clients)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A run once set up (`setup`), built once: what its later stages share.
+
+  Attributes:
+    config: the run's config; rundir: its run directory (`RunDir`: the run's files, written by
+      process 0 only); console: this process's console (`logging_utils.Console`).
+    dataset; fed_data: the federated data, replicated over the processes; algo: the Algorithm;
+    plan: the algorithm's run plan, or None; round_cfg: the RoundConfig; init_key, run_key: the
+    keys of the initial state and of the rounds; choice: the resolved strategy; round_step: the
+    compiled round; per_participant: message sizes per cohort (`rd.message_bytes`); changes: the
+    config's changes against the workdir's config.json ({} when none or new); host: the numerics
+    host the run started on (`numerics.numerics_host`), recorded in strategy.json; initial_state:
+    builds the round-0 state (`InitialState`).
+  """
+  config: ml_collections.ConfigDict
+  rundir: RunDir
+  console: logging_utils.Console
+  dataset: Dataset
+  fed_data: FedData
+  algo: Algorithm
+  plan: Optional[Plan]
+  round_cfg: rd.RoundConfig
+  init_key: jax.Array
+  run_key: jax.Array
+  choice: autotune.Choice
+  round_step: Callable
+  per_participant: tuple[comm.MessageBytes, ...]
+  changes: dict[str, tuple[Any, Any]]
+  host: dict
+  initial_state: InitialState
+
+
+def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
+          console: logging_utils.Console | None = None, allow_config_change: bool = False,
+          cache_dir=None) -> tuple[Run, FedState]:
+  """Checks the config against the workdir's, loads and partitions the data, builds the algorithm,
+  resolves the strategy (measured once per program under `cache_dir` when 'auto'; a resume keeps
+  its own) and compiles the round; logs the run's header lines. Nothing is trained. Returns
+  (`Run`, its initial state): the state is built once, as it holds every client's state."""
+  console = console or logging_utils.Console()
+  console.log(f'workdir {rundir.path}; config {json.dumps(config.to_dict(), sort_keys=True)}')
+  changes = _changes(config, rundir, ckpt, allow_config_change, console)
+  known_before_loading = configuration.dataset_info(config) is not None
+  dataset = experiment.load_data(config)
+  if not known_before_loading:  # validate_config could not check the sizes: check them now
+    configuration.check_data_config(config, DatasetInfo.of(dataset))
+  fed_data, info = experiment.build_fed_data(config, dataset)
+  console.say(_data_summary(config, dataset) + '\n' +
+              partition.format_histogram(info['histogram']))
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
+  plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
+  if plan is not None:
+    console.say(plan.text)
+  init_key, run_key = experiment.run_keys(config)
+  initial_state, fed_data = InitialState(config, algo, init_key), strategies.replicate(fed_data)
+  # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
+  # the one it started with, since strategies agree only to float rounding.
+  stored = numerics.stored_strategy(rundir, ckpt, config.map_chunk_size, console)
+  choice, round_step = experiment.choose_strategy(config, algo, fed_data, initial_state, run_key,
+                                                  cache_dir=cache_dir, stored=stored)
+  host = numerics.numerics_host()
+  moved = numerics.host_change(stored, host)
+  if moved:
+    console.report(moved)
+    host = stored['host']   # the record keeps the host the run started on
+  console.say(_header(config, algo, choice))
+  state = initial_state()
+  round_cfg = experiment.round_config(config)
+  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
+  console.say('communication per participant and round: ' + ', '.join(
+      f'{c.name}: up {b.up:,} B, down {b.down:,} B'
+      for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))
+  return Run(config=config, rundir=rundir, console=console, dataset=dataset, fed_data=fed_data,
+             algo=algo, plan=plan, round_cfg=round_cfg, init_key=init_key, run_key=run_key,
+             choice=choice, round_step=round_step, per_participant=per_participant,
+             changes=changes, host=host, initial_state=initial_state), state
+
+
+def _changes(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, allow_config_change: bool,
+             console: logging_utils.Console) -> dict:
+  """The config's changes against the workdir's config.json, refused (before loading anything)
+  when a resume may not make them."""
+  stored = resuming.stored_config(rundir)
+  changes = resuming.config_changes(stored, config) if stored is not None else {}
+  if changes and ckpt.all_rounds():  # DP-FedAvg's ledger: no change, even when allowed
+    resuming.refuse_dp_changes(changes, algorithms.registry.dp_enabled(config))
+  if changes and ckpt.all_rounds() and not allow_config_change:
+    resuming.refuse_changed_config(rundir, changes)
+  elif changes and not ckpt.all_rounds():
+    console.report(f'warning: the config differs from the workdir\'s config.json '
+                   f'({resuming.format_changes(changes)}) and there is no checkpoint to '
+                   'resume: starting over from round 0')
+  return changes
+
+
+def _data_summary(config, dataset: Dataset) -> str:
+  scheme = config.partition + (f'(alpha={config.alpha})' if config.partition == 'dirichlet' else
+                               f'(k={config.classes_per_client})' if config.partition == 'classes'
+                               else '')
+  public = f', {config.public_size} public' if config.public_size else ''
+  unlabelled = ('' if dataset.unlabeled_x is None else
+                f' (the clients train on {len(dataset.unlabeled_x)} unlabelled images)')
+  return (f'{dataset.name}: {len(dataset.train_y)} train / {len(dataset.test_y)} test '
+          f'images{unlabelled}{public}; {config.num_clients} clients, {scheme} partition, '
+          f'{config.clients_per_round} per round')
+
+
+def _header(config, algo: Algorithm, choice: autotune.Choice) -> str:
+  devices = jax.device_count()
+  encoders = (', '.join(f'{c.name} x{len(c.members)}' for c in algo.cohorts) if algo.cohorts
+              else config.encoder)
+  return (f'{algo.name} / {config.ssl_method}, {encoders} encoder, {config.rounds} '
+          f'round{"s" if config.rounds > 1 else ""}; jax on {jax.default_backend()} ({devices} '
+          f'device{"s" if devices > 1 else ""}), {choice.text()}')

@@ -1,0 +1,58 @@
+"""fedjax_ssl.runs.training in process: the config checked before any data, several runs in one
+process. The binary around it: tests/experiments/test_train_binary.py."""
+import logging
+import re
+
+from absl import logging as absl_logging
+import pytest
+
+from fedjax_ssl import experiment
+from fedjax_ssl.config_validation import ConfigError
+from fedjax_ssl.data import sources
+from tests.runs import tiny_config
+
+_ORBAX_INFO = ('checkpoint_manager.py', 'Saving checkpoint at step')
+
+
+def test_config_error_in_process_loads_no_data(tmp_path, monkeypatch):
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
+  def fail(*args, **kwargs):
+    raise AssertionError('data loaded before the config was validated')
+  monkeypatch.setattr(experiment, 'load_data', fail)
+  monkeypatch.setattr(sources, 'load_dataset', fail)
+  with pytest.raises(ConfigError, match=re.escape('config.knn_k = 200 is invalid: must be <= 64')):
+    train.train_and_evaluate(tiny_config(train_size=64, knn_k=200), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+@pytest.fixture
+def absl_app_logging():
+  """The root logger as absl's app.run leaves it: absl's handler (to stderr) at INFO verbosity."""
+  root = logging.getLogger()
+  saved_handlers, saved_level = list(root.handlers), root.level
+  root.addHandler(absl_logging.get_absl_handler())
+  root.setLevel(logging.INFO)
+  yield
+  root.handlers[:] = saved_handlers
+  root.setLevel(saved_level)
+
+
+@pytest.mark.slow
+def test_runs_in_one_process_print_only_their_bar_and_keep_their_own_logs(tmp_path, capfd,
+                                                                          absl_app_logging):
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
+  root = logging.getLogger()
+  handlers = list(root.handlers)
+  for run in ('a', 'b'):
+    results = train.train_and_evaluate(tiny_config(seed=len(run)), str(tmp_path / run),
+                                       verbose=False, bar_position=1)
+    assert 0.0 <= results['final']['probe_acc'] <= 1.0
+    assert root.handlers == handlers
+  out, err = capfd.readouterr()
+  assert out == ''  # verbose=False: no line per run (the bar is off: not a terminal)
+  for marker in _ORBAX_INFO:
+    assert marker not in err, err[-3000:]
+  for run, other in (('a', 'b'), ('b', 'a')):
+    log = (tmp_path / run / 'train.log').read_text()
+    assert f'workdir {tmp_path / run};' in log and str(tmp_path / other) not in log
+    assert all(marker in log for marker in _ORBAX_INFO)
