@@ -8,9 +8,9 @@ faults, about 20 ms of its 52 ms, every call (docs/notes/performance.md#scan-vs-
 long program (the round step's loop over steps) the buffer is faulted in once, which is why a step
 looked cheaper there.
 
-Nothing here runs on import: the binaries (experiments/train.py, benchmark.py, reproduce.py) call
-`keep_freed_memory()` first thing at process start, before anything runs on JAX; the settings
-govern later allocations only, and they are process-wide.
+Nothing here runs on import: the binaries (experiments/train.py, benchmark/__main__.py,
+reproduce.py) call `keep_freed_memory()` first thing at process start, before anything runs on JAX;
+the settings govern later allocations only, and they are process-wide.
 
 FEDJAX_SSL_MALLOC, read when `keep_freed_memory()` is called:
   * 'keep' (default): no mmap allocations, heap trimming at 2 GiB. Freed blocks of the main arena
