@@ -1,34 +1,12 @@
 r"""Reproduce a results table: every cell x seed through the training binary's code path.
 
-  python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR \
-      [--seeds 0,1,2] [--scale quick|evidence|paper] [--only CELL_PATTERN ...]
-      [--recompute_references]
+  python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR
+  python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR --seeds 0,1,2 \
+      --scale evidence --only 'fedbyol.*'
+  python -m experiments.reproduce --table configs/fedssl/fmnist.py --out DIR --list
 
-Each distinct (config, seed) is one run of `fedjax_ssl.training.train_and_evaluate` in
-DIR/runs/<cell>/seed<k> (its checkpoints, metrics, plot and results.json). Rerunning the same command
-finishes only what is missing: runs with a results.json are read, not re-run; a killed run resumes
-from its last checkpoint. A failing run writes error.json (its traceback) and the grid goes on; a
-rerun tries it again. A workdir whose config.json differs from the cell's current config (the table
-file changed) is reported, never overwritten. Compiled programs and the strategies 'auto' measured
-are cached in the binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl;
-fedjax_ssl/core/compilation.py), so seeds after the first skip most compilation. The raw-pixel
-reference row is evaluated once per seed and shared by the runs that read the same pixels (CACHE_DIR/references, keyed by a
-digest of the data and the protocol's settings; `training.raw_pixel_reference`), and so is the
-random-init evaluation of equal variables on equal data. After every run DIR/table.csv,
-DIR/table.md and DIR/table.png are rewritten (mean ± std over seeds next to the paper's number)
-from every run of the table under DIR, whichever cells and seeds this invocation ran; cells with no
-run under DIR keep their entries of the earlier DIR/table.csv (marked as carried in table.md), so a
-fresh clone, which has the tables but not the runs, can add cells to a committed table. At the end
-DIR/curves.png plots each cell's kNN monitor against rounds (the runs under DIR). `--only` takes
-cell names or fnmatch patterns ('fedbyol.*'); `--list` prints the cells and exits.
-
-A table.csv written before the per-seed reference columns existed carries its cells' means with no
-per-seed random-init and raw-pixel values, so their "learns" claims cannot be judged.
-`--recompute_references` trains nothing: it evaluates each such (cell, seed)'s round-0 references
-from the cell's config, keeps them where they reproduce the stored means (within
-`reproduce.REFERENCE_TOLERANCE` points), rewrites the table and prints the cells it left unpaired.
-It also adds the raw-pixel reference to the finished runs under DIR that finished before their
-metrics had one (`training.add_raw_pixel_reference`: the fine-tuning metrics' raw-pixel row).
+What a rerun finishes, what DIR holds and `--recompute_references`:
+docs/notes/harness.md#reproduce-binary.
 """
 from __future__ import annotations
 

@@ -265,7 +265,7 @@ def time_setting(s: Settings, model: str, num_clients: int, variants: List[str],
   meaningful; otherwise one variant at a time, each freed before the next."""
   jobs = variant_precisions(s, variants)
   # The model's work, counted once in float32 for every precision: a bf16 program's own count
-  # also counts its casts (~10 % more on small_cnn), which are no model FLOPs.
+  # also counts its casts, which are no model FLOPs (docs/notes/performance.md#perf-63).
   flops = flops_per_client_step(s, model, augmentation)
   if not s.interleave:
     results = {}
