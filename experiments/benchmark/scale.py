@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Dict, List
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmark.round_speed import tree_mb

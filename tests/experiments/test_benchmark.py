@@ -9,11 +9,14 @@ import subprocess
 import sys
 
 from absl import flags
+import jax
 import numpy as np
 import pytest
 
-from experiments.benchmark import round_speed, settings
+from experiments.benchmark import round_speed, scale, settings
 from fedjax_ssl import config_validation as cv
+from fedjax_ssl import experiment
+from fedjax_ssl.core import round as rd
 from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -50,6 +53,25 @@ def test_benchmark_variants_agree_and_ratios_are_consistent():
       np.testing.assert_allclose(r[f'speedup_vs_{base}'],
                                  res[base]['seconds_per_round'] / r['seconds_per_round'])
   assert 'compiled_mb' in res['map'] and 'compiled_mb' not in res['stepwise']
+
+
+@pytest.mark.slow
+def test_scale_device_program_of_a_host_round_is_smaller_than_the_whole_round():
+  """The scale setting's `device_program_mb`: the whole donated round under client_state='device',
+  the participants' part under 'host' (2 of 4 clients' stored states instead of all 4), on the
+  setting's own config (FedEMA-BYOL, small_cnn) over synthetic Fashion-MNIST-shaped clients."""
+  fed, ds = round_speed._data((28, 28, 1), 4, 32)
+  mb = {}
+  for placement in ('device', 'host'):
+    config = scale._scale_config(4, 2.0, placement)
+    config.clients_per_round = 2
+    algo = experiment.build_algorithm(config, ds)
+    step = rd.make_round_step(algo, experiment.round_config(config), 4)
+    state = rd.init_state(algo, jax.random.PRNGKey(0), 4, client_state=placement)
+    mb[placement] = scale._device_program_mb(step, state, fed, jax.random.PRNGKey(1), 2)
+  # The stored states are FedEMA's per-client models: at least one client's fewer on the device.
+  one_client = round_speed.tree_mb(jax.tree_util.tree_map(lambda a: a[0], state.clients))
+  assert 0 < mb['host'] < mb['device'] - one_client, (mb, one_client)
 
 
 def test_flops_per_step_counts_both_views_with_flip_and_one_without_augmentation():
