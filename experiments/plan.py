@@ -1,67 +1,11 @@
 r"""Compile one federated round without data or training: the device memory and FLOPs of a config.
 
   python -m experiments.plan --config configs/fedu2/paper_cross_device.py
-  python -m experiments.plan --config configs/fedu2/paper_cross_silo.py --json
-  python -m experiments.plan --config configs/quickstart.py --config.num_clients=100 \
-      --device_memory_gb 16
   python -m experiments.plan --table configs/fedu2/table2.py          # a table's FLOPs and hours
   python -m experiments.plan --config configs/fedu2/paper_cross_silo.py --measure_rounds 1
 
-The federated data and the state are built abstractly (`jax.ShapeDtypeStruct`, `jax.eval_shape`)
-from what the dataset's catalog entry knows before loading (`data/info.py`: sizes, image shape,
-classes), so no data is read or downloaded and no parameter is allocated. The round the config
-would run (model, cohort, participants, strategy, client placement) is lowered and compiled, and
-the binary prints:
-
-  * memory per device, from XLA's `compiled.memory_analysis()`: the inputs (the arrays passed to
-    the round; XLA's argument bytes are those it reads: jit prunes an argument the program never
-    reads, such as FedU2's stored states, which `begin` overwrites, but the caller's array is on
-    the device all the same), outputs, temporaries, generated code, the outputs aliased to donated
-    inputs, and the total (inputs + outputs - aliased + temporaries + generated code). With
-    config.client_state = 'host' the device program is the participants' part of the round
-    (`round_step.device_program`): the m participants' stored states, the server and the data; the
-    C stored states stay in host memory. With 'device' it is the whole donated round, the C stored
-    states included.
-  * FLOPs: XLA's count of one local step (`cost_analysis()` of the jitted `local_step` on one
-    batch: forward and backward of both views, augmentation and optimiser update; always an
-    XLA:CPU compile, `core.compilation.xla_flops`: XLA:GPU does not count the convolutions it gives cuDNN), the
-    expected real local steps of a round (E * max(n_k // B, 1) summed over the clients, times
-    m / C), and their product, `flops_per_round`. XLA's count of the whole compiled round is
-    printed too (`xla_round_flops`), but XLA counts every loop body once (a `while_loop` over 200
-    steps costs one step), so it is no round total. Server aggregation, `prepare` and uploads
-    computed from the client's data (representation sharing's class means, Hetero-SSFL's RAD
-    features) are left out of `flops_per_round`; loops inside a step (FUR's 100 UOT iterations)
-    count once.
-  * whether the total fits `--device_memory_gb` times `--memory_fraction` (0.75: the share of the
-    GPU that JAX's allocator preallocates by default, XLA_PYTHON_CLIENT_MEM_FRACTION).
-
-Run on a CPU, the numbers are those of the CPU compile of the GPU program (settings 'auto' are
-resolved as on `--target`, a GPU by default): XLA:CPU fuses and schedules differently, so its
-temporaries are an approximation of the GPU's (inputs, outputs and aliases are exact), and cuDNN
-workspace is not in them. Evaluation (kNN monitor, probe, fine-tuning) is not planned.
-
-Client sizes follow the configured partition over balanced labels (every class N / classes
-images): exact for CIFAR-10/100 and Fashion-MNIST, whose training splits are balanced, an
-approximation for MNIST and SVHN and where a public set is carved out at random.
-
-`--table FILE` (with `--scale`, `--seeds`) estimates a whole table instead: every run's local steps
-(rounds x real steps per round, as above) times the FLOPs of one step, compiled once for each
-(algorithm and which parts of its block are on, method, encoders, batch, augmentation, heads, public
-set, image shape), and the hours at `--tflops`. An estimate, not a measurement.
-
-`--measure_rounds N` checks the plan on this machine's device: after planning, it trains N + 1
-rounds of the config for real on synthetic images of the planned dataset's shape, sizes and class
-counts (the same partition, so the same client sizes and steps), and adds `measured`: the first
-round's seconds (a warm-up; it compiles the round where client_state = 'host', while with 'device'
-the plan's compiled round runs as it is), the median seconds of the next N,
-the achieved FLOP/s (`flops_per_round` / that median) and the device's peak bytes in use
-(`memory_stats()`, None where the backend has none, as on a CPU) beside the planned total. The
-peak counts everything the process held on the device (the data, the state, the round's buffers),
-which is what the plan's total claims to bound. A round planned not to fit is not run.
-
-`--json` prints exactly one JSON object (a round: at least `bytes_per_device`, `flops_per_round`,
-`fits`). Exit status: 0 when the round fits (always for --table), 2 when it does not (one line on
-stderr with the numbers), 1 for a refused config or flag (e.g. a device memory <= 0).
+What it prints, how close a CPU plan is to the GPU's, `--table`, `--measure_rounds`, `--json` and
+the exit statuses: docs/notes/performance.md#plan-binary.
 """
 from __future__ import annotations
 

@@ -1,50 +1,11 @@
-r"""Federated SSL training binary: the flags and the process set-up (malloc, several processes, the
-cache folder) around the library's loop, `fedjax_ssl.runs.training.train_and_evaluate`.
+r"""Federated SSL training: the flags and the process set-up (malloc, several processes, the cache
+folder) around the library's loop, `fedjax_ssl.runs.training.train_and_evaluate`.
 
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/quickstart
   python -m experiments.train --config configs/quickstart.py --workdir /tmp/q --config.rounds=5
 
-The config is validated before any data is loaded or any model is built; a config error (also an
-unknown `--config.key`) is one `error: ...` line on stderr and exit status 1. The console shows the
-partition table, a bar over rounds with the live loss, one line per evaluated round and the final
-comparison; library logs (orbax, absl, jax, tfds; INFO and up) go to WORKDIR/train.log, warnings and
-errors also to the console. Metrics go to WORKDIR/metrics.jsonl and TensorBoard events under
-WORKDIR/tb; orbax checkpoints (atomic) every `checkpoint_every` rounds under WORKDIR/checkpoints.
-Re-running with the same workdir resumes from the latest checkpoint and ends in exactly the state an
-uninterrupted run reaches: every random draw of round r derives from fold_in(root_key, r), and the
-log is truncated to the restored round. At the end: linear probe and kNN of the trained encoder next
-to those of the random-init encoder (WORKDIR/results.json, "status": "completed") and a plot of loss
-and accuracy against rounds (WORKDIR/metrics.png).
-
-What a run survives (fedjax_ssl/runs/run_guard.py; each case ends in one line and an exit status):
-  * divergence: a non-finite loss or round metric, or non-finite new server parameters, stop the
-    run at that round (round, quantity, last finite value, what to try); results.json records
-    "status": "diverged"; exit status 3.
-  * SIGTERM / SIGINT (preemption, Ctrl-C): the current round finishes, its checkpoint is saved, the
-    command to resume is printed; exit status 128 + signal (143 / 130). Every process stops after
-    the same round; during the last round the run completes instead. A second signal stops at once.
-  * an unreadable checkpoint (damaged or partial files): reported (round, file, error), moved to
-    WORKDIR/checkpoints/corrupt/<round> and the newest intact one is used; with none intact the run
-    refuses to start over unless --restart.
-  * a resume under another config: refused with the differences listed (keys that cannot change
-    results, resuming.NEUTRAL_KEYS, may change); --allow_config_change continues and records the
-    change and its round in WORKDIR/config_changes.json and results.json.
-  * a second run on the same workdir: refused while the first holds WORKDIR/run.lock (its host and
-    pid); the lock of a run that died is taken over with a warning.
-  Refusals exit with status 1 before any training.
-
-Several processes (JAX's multi-controller runtime, `jax.distributed`; on CPU its gloo collectives):
-start the same command once per process with --num_processes=N --process_id=i and one
---coordinator_address=HOST:PORT (process 0's host). The config must use strategy 'shard': the
-round's participants are spread over every process's devices. Every process builds the same data
-and state and evaluates its own copy (so that all reach the next round's collectives together);
-process 0 alone prints, logs metrics and writes results and plots (the others log to
-WORKDIR/train.process<i>.log). Checkpoints go through orbax's multi-host protocol (every process
-takes part, as orbax requires), so a re-run resumes as above.
-
-  python -m experiments.train --config configs/quickstart.py --workdir /tmp/q \
-      --config.strategy=shard --coordinator_address=127.0.0.1:8476 --num_processes=2 --process_id=0
-  (and the same with --process_id=1, at the same time)
+What a run writes and prints, what it survives (and its exit statuses), resuming and several
+processes: docs/notes/harness.md#train-binary.
 """
 from __future__ import annotations
 
@@ -68,8 +29,7 @@ from ml_collections import config_flags  # noqa: E402
 import os  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import configuration, experiment, run_identity  # noqa: E402
-from fedjax_ssl.runs import run_guard, training  # noqa: E402
+from fedjax_ssl import configuration, experiment, run_guard, run_identity, training  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',

@@ -11,7 +11,7 @@
     state, metrics = round_step(state, fed_data, fs.core.round_key(root_key, r))
 
 Importing the package changes nothing process-wide. The binaries (experiments/train.py,
-benchmark.py, reproduce.py) tune glibc's malloc first thing with
+benchmark/__main__.py, reproduce.py) tune glibc's malloc first thing with
 `fs.core.host_memory.keep_freed_memory()`, so that repeated XLA:CPU executions reuse freed
 temporaries (FEDJAX_SSL_MALLOC=system keeps glibc's defaults); a program of your own can call it
 likewise, before it runs anything on JAX.

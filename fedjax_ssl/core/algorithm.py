@@ -207,9 +207,9 @@ def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
     accumulated in the wider of their dtype and the weights' (a float64 state stays float64).
 
   The average is a contraction (`tensordot` of the weights with the leaf's leading axis), not a
-  sum over axis 0 of the weighted leaf: XLA:CPU reduces a leading axis ~50x slower than it runs the
-  same work as a GEMV (docs/notes/performance.md#cross-device-round: 197 ms vs 3.6 ms for 50 x 524k floats,
-  which made the aggregation of a 50-participant round cost as much as 40 local steps).
+  sum over axis 0 of the weighted leaf: XLA:CPU reduces a leading axis far slower than it runs the
+  same work as a GEMV, which made the aggregation of a 50-participant round cost as much as many
+  local steps (docs/notes/performance.md#perf-22).
   Precision HIGHEST keeps accelerators from rounding the operands to TF32/bf16.
   """
   def avg(leaf):

@@ -1,8 +1,8 @@
 """`strategy='auto'`: the execution strategy of a round, chosen by timing the candidates once.
 
 Which strategy is fastest depends on the backend, the model, the shapes and the precision, and no
-rule got it right: on an H200 `vmap` was 1.75x slower than `map` in float32 on ResNet-18 and 1.36x
-faster in bfloat16 (docs/notes/performance.md#perf-45). So the first time a program is seen (the
+rule got it right: on an H200 `vmap` was slower than `map` in float32 on ResNet-18 and faster in
+bfloat16 (docs/notes/performance.md#perf-45). So the first time a program is seen (the
 `key`: backend, device kind, jax version and every config value that shapes the round), each
 candidate (strategy, chunk size) runs a warm-up round (its compile) and `TIMED_ROUNDS` timed rounds
 on a copy of the run's initial state, and the fastest (least median seconds) is kept in
@@ -14,9 +14,8 @@ resolved strategy in its workdir and a resume uses that one, whatever the cache 
 (`fedjax_ssl.runs.training`: WORKDIR/strategy.json).
 
 On a CPU there is one candidate, `map` with chunk 1, so nothing is timed: every CPU measurement
-so far found `vmap` slower (docs/notes/performance.md#perf-2; the quickstart's round: 16.7 s
-against 9.7 s, and 33 s of compile against 5 s, #perf-47), and timing it cost the quickstart two
-minutes. FEDJAX_SSL_AUTOTUNE overrides the candidates: '0' (or off / false / no) resolves 'auto'
+so far found `vmap` slower, in its rounds and its compile (docs/notes/performance.md#perf-2,
+#perf-47), and timing it made the quickstart much longer. FEDJAX_SSL_AUTOTUNE overrides the candidates: '0' (or off / false / no) resolves 'auto'
 to the static per-backend default (`strategies.default_strategy`) without timing anything; a list
 such as 'map1,vmap,map4' times those (strategy name with its chunk size; 'vmap' alone).
 """

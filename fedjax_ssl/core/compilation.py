@@ -2,7 +2,8 @@
 
 Every binary (`experiments.train`, `experiments.reproduce`) calls `enable_cache()` before anything
 compiles, so that a second run or seed of a config loads its round step from disk instead of
-compiling it again (on a GPU the first ResNet-18 round compiled for 20-130 s). One folder holds
+compiling it again (a first ResNet-18 round on a GPU compiles for minutes:
+docs/notes/performance.md#perf-45, #perf-52). One folder holds
 everything a run may reuse across processes:
 
   CACHE_DIR/xla/            JAX's persistent compilation cache (keyed by JAX itself: the program,

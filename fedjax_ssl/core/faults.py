@@ -37,8 +37,9 @@ def finite_rows(tree: Any, num: int) -> jax.Array:
   The per-leaf counts of non-finite entries [L, S] are summed by a matrix product, not by a chain
   of L `and`s or a reduction (which XLA's simplifier turns into that chain): every leaf's select
   and zeroing in the round consumes this mask, and XLA copied the cheap elementwise chain into
-  each consumer's fusion, L x 2L ops (ResNet-18 FedU2-BYOL, L = 224: 118k `and`s; XLA:CPU's
-  compile of that round 59 -> 25 s, the results bit-identical; docs/notes/testing.md#test-17).
+  each consumer's fusion, L x 2L ops (ResNet-18 FedU2-BYOL, L = 224: 118k `and`s; the matrix
+  product cut XLA:CPU's compile of that round, the results bit-identical;
+  docs/notes/testing.md#test-17).
   The counts are exact integers in float32 below 2^24 entries a leaf row, and a sum of
   non-negative counts is 0 only if each is.
   """

@@ -3,23 +3,22 @@
 XLA:CPU allocates each execution's temporary buffer afresh and frees it when the execution ends.
 glibc serves a block above its mmap threshold (dynamic, at most 32 MiB) with a fresh `mmap` and
 returns it with `munmap`, so every execution writes to pages the kernel has to fault in and zero
-again: a FedBYOL small-CNN step of batch 64 (42.5 MiB of temporaries) took 11,000 minor page
-faults, about 20 ms of its 52 ms, every call (docs/notes/performance.md#scan-vs-step). Inside one
+again: a FedBYOL small-CNN step of batch 64 spent a large part of every call in minor page
+faults (docs/notes/performance.md#perf-14). Inside one
 long program (the round step's loop over steps) the buffer is faulted in once, which is why a step
 looked cheaper there.
 
-Nothing here runs on import: the binaries (experiments/train.py, benchmark.py, reproduce.py) call
-`keep_freed_memory()` first thing at process start, before anything runs on JAX; the settings
-govern later allocations only, and they are process-wide.
+Nothing here runs on import: the binaries (experiments/train.py, benchmark/__main__.py,
+reproduce.py) call `keep_freed_memory()` first thing at process start, before anything runs on JAX;
+the settings govern later allocations only, and they are process-wide.
 
 FEDJAX_SSL_MALLOC, read when `keep_freed_memory()` is called:
   * 'keep' (default): no mmap allocations, heap trimming at 2 GiB. Freed blocks of the main arena
     stay mapped. XLA also allocates from worker threads, whose per-thread arenas are 64 MiB heaps
-    that glibc still unmaps once empty, so the gain depends on which thread allocates: measured 0
-    to 6,500 faults per step over 11 processes (median ~40; 11,000 with glibc's defaults), no
-    measurable change in compile time.
-  * 'one_arena': also a single arena for all threads: 0 faults per step, but compilation (LLVM
-    allocates from many threads) ran ~15 % slower in our tests.
+    that glibc still unmaps once empty, so the gain depends on which thread allocates (the faults
+    per step measured over processes: docs/notes/performance.md#perf-14); compile time unchanged.
+  * 'one_arena': also a single arena for all threads: no faults per step, but compilation (LLVM
+    allocates from many threads) ran slower (docs/notes/performance.md#perf-14).
   * 'system': glibc's defaults.
 The cost of 'keep' and 'one_arena': the process keeps its freed heap memory instead of returning it
 to the system. Where malloc is not glibc's (or is replaced by jemalloc/tcmalloc, which cache freed

@@ -138,8 +138,8 @@ def train_client(local_step: Callable, client: Any, x: jax.Array, y: jax.Array, 
     n_min: static lower bound of every client's n (`FedData.n_min`; 0: unknown). When it gives as
       many steps as n_max, every participant runs the same steps and a vmapped round trains them in
       one phase: the narrower phases would never run, yet each is one more copy of the step to
-      compile (ResNet-18 under vmap compiled 4.6x longer than under map with the 5 phases of 10
-      participants, docs/notes/performance.md#perf-45).
+      compile (ResNet-18 under vmap compiled several times longer than under map with the 5
+      phases of 10 participants, docs/notes/performance.md#perf-46).
   Returns:
     (client state after training, mean loss over the real steps). Under vmap every output is
     batched.

@@ -131,7 +131,7 @@ PRESETS = {
     # FedU2 code, semi-supervised fine-tuning transform: RandomResizedCrop(32, scale (0.64, 1), ratio (1, 1)) + HFlip.
     'fedu2_finetune': AugmentConfig(out_size=32, crop=True, crop_scale=(0.64, 1.0), crop_ratio=(1.0, 1.0),
                                     flip_prob=0.5),
-    # SimCLR's CIFAR pipeline (colour strength s = 0.5: jitter 0.8 s, 0.8 s, 0.8 s, 0.2 s).
+    # SimCLR's CIFAR pipeline (colour strength s = 0.5: jitter 0.8·s, 0.8·s, 0.8·s, 0.2·s).
     'simclr': AugmentConfig(out_size=32, crop_scale=(0.08, 1.0), brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1,
                             **_SIMCLR_CROP),
     # Identity (RepShare uses no augmentation; evaluation feature extraction uses none either).
@@ -275,7 +275,7 @@ def crop_resize(x, box, out_hw: Tuple[int, int], flip=False):
 
   Implemented as a separable sampling grid (gathers at dynamic indices), so the box can differ per sample under vmap.
   The flip reverses the column taps instead of the output: the same arithmetic per output pixel, so bit-identical to
-  `hflip(crop_resize(...))`, but XLA:CPU runs a select between a gather and its reverse inside a scan ~10x slower
+  `hflip(crop_resize(...))`, but XLA:CPU runs a select between a gather and its reverse inside a scan far slower
   than the gather alone (docs/notes/data.md#augmentation-cost).
   A full-image box with out_hw == (H, W) returns x exactly (all second-tap weights are 0).
   """

@@ -98,7 +98,7 @@ def extract_features_stacked(apply_fn: ApplyFn, stacked_variables: Any, images_u
     batch_size: images per forward pass (each pass runs all C models on them).
     client_strategy: 'vmap' (one fused program over clients), 'map' (`lax.map`, one client at a time,
       C times less activation memory) or 'auto': 'map' on the CPU backend, where vmapped per-client
-      kernels make grouped convolutions or batched GEMMs (2.7x slower than 'map' for 10 LeNet-5
+      kernels make grouped convolutions or batched GEMMs (slower than 'map' for 10 LeNet-5
       classifiers, docs/notes/performance.md#perf-eval-convs), else 'vmap'.
   Returns:
     float32 [C, N, d].

@@ -26,7 +26,8 @@ random-init LeNet-5 on Fashion-MNIST has condition number ~1e6), and plain L-BFG
 thousands of iterations. L-BFGS therefore runs on V with W = V P, P = (Sigma + lambda I)^{-1/2}
 (Sigma = x^T x / n on at most `PRECONDITION_ROWS` evenly spaced rows, from its eigendecomposition);
 this is a change of variables of the same objective, so the minimiser and the stopping test (on the
-gradient in the W coordinates) are unchanged. It cut the iterations ~7x on those features.
+gradient in the W coordinates) are unchanged. It cuts the iterations on those features severalfold
+(docs/notes/evaluation.md#eval-9).
 
 The fits are pure; their L-BFGS runs in one jitted program per shape. With `precondition=True` the
 features `x` must be concrete (the preconditioner's eigendecomposition runs on the host first,
@@ -34,15 +35,16 @@ features `x` must be concrete (the preconditioner's eigendecomposition runs on t
 pass precondition=False.
 `fit_logistic_path` fits a grid of c values in one `lax.scan`, warm-starting each fit from the
 previous one (pass c ascending: strongest penalty first, as sklearn's regularisation path); on CPU
-this was 4-12x faster than `jax.vmap(fit_logistic)` over the grid from zero, which runs every grid
-value for as many iterations as the slowest one needs. `select_and_refit` adds the held-out choice
-of c and the refit on all rows in the same program; row masks (instead of row subsets) let the
-fitted part, the held-out part and the whole split share one compiled program.
+this was faster than `jax.vmap(fit_logistic)` over the grid from zero, which runs every grid value
+for as many iterations as the slowest one needs (docs/notes/evaluation.md#eval-9).
+`select_and_refit` adds the held-out choice of c and the refit on all rows in the same program; row
+masks (instead of row subsets) let the fitted part, the held-out part and the whole split share one
+compiled program.
 
-Speed notes (XLA:CPU, 2 cores): the data term has a hand-written gradient computed as r^T x with
-W stored [K, d] (autodiff's x^T r ran ~5x slower), and the preconditioner's eigendecomposition runs
-in numpy on the host with one BLAS thread, before the fit's program (XLA:CPU's eigh and numpy's with
-two OpenBLAS threads took 3.5-9 s for d = 512-784 on 2 busy cores; one thread: 0.06-0.1 s). It used
+Speed notes (XLA:CPU; the measurements: docs/notes/performance.md#perf-64): the data term has a
+hand-written gradient computed as r^T x with W stored [K, d] (autodiff's x^T r ran slower), and the
+preconditioner's eigendecomposition runs in numpy on the host with one BLAS thread, before the fit's
+program (XLA:CPU's eigh and numpy's with two OpenBLAS threads took far longer on busy cores). It used
 to run inside the program through `jax.pure_callback`; on a machine with one CPU (or a process
 pinned to one) that callback deadlocked in 4 of 6 probes, waiting for its own input buffer on the
 only XLA thread.
@@ -103,7 +105,7 @@ def _data_term_bwd(res, g):
   r = (jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype))
   r = r * (mask * (g / jnp.sum(mask)))[:, None]
   # r^T x [K, d]: XLA:CPU ran x^T r [d, K] (what autodiff of x @ W [d, K] gives, and what it
-  # rewrites (r^T x)^T into) ~5x slower for x [54000, 512]; hence the [K, d] weight layout.
+  # rewrites (r^T x)^T into) slower (docs/notes/performance.md#perf-64); hence the [K, d] layout.
   return r.T @ x, jnp.sum(r, axis=0), None, None, None
 
 
@@ -157,8 +159,8 @@ def feature_eigh(x, max_rows: int = PRECONDITION_ROWS) -> Tuple[jax.Array, jax.A
                      'outside jit / a vmap over the data, or pass precondition=False')
   gram = np.asarray(_gram(x, max_rows=max_rows)).astype(np.float64)
   # One BLAS thread: with XLA's threads busy on 2 shared cores, OpenBLAS's two threads made a
-  # 784 x 784 eigh take 4-9 s instead of 0.1 s. threadpoolctl comes with scikit-learn; without it
-  # the decomposition runs with the BLAS library's default threads.
+  # 784 x 784 eigh many times slower (docs/notes/performance.md#perf-64). threadpoolctl comes with
+  # scikit-learn; without it the decomposition runs with the BLAS library's default threads.
   with _one_blas_thread():
     s, u = np.linalg.eigh(gram)
   dtype = jnp.asarray(x).dtype

@@ -96,8 +96,8 @@ _INFERENCE = contextvars.ContextVar('fedjax_ssl_inference_convs', default=False)
 def inference_convs() -> Iterator[None]:
   """Within it, conv_impl='auto' resolves to 'xla' on every backend: for programs that are never
   differentiated (feature extraction). im2col pays off through the gradients, which XLA:CPU
-  computes slowly; XLA:CPU's forward convolution alone is the faster one, 1.4-3.4x on every CPU
-  encoder of the registry (docs/notes/performance.md#perf-eval-convs). It acts at trace time, so
+  computes slowly; XLA:CPU's forward convolution alone is the faster one on every CPU encoder of
+  the registry (docs/notes/performance.md#perf-eval-convs). It acts at trace time, so
   enter it inside the jitted function."""
   token = _INFERENCE.set(True)
   try:

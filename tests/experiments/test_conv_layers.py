@@ -1,17 +1,12 @@
 """The per-layer convolution benchmark's candidates compute `lax.conv_general_dilated` and its two
 gradients (float64), and the benchmark setting reports what it measured."""
-import pathlib
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 from experiments import conv_layers
-from tests import subprocess_env
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from experiments.benchmark import settings
+from fedjax_ssl import config_validation as cv
 
 # (batch, H, W, cin, cout, k, pads): the layers' 3x3 / padding 1, a 5x5 VALID one (LeNet,
 # hetero_cnn), asymmetric padding, a 1x1 kernel and a non-square input; batch 16 for chunk16.
@@ -59,12 +54,7 @@ def test_the_setting_reports_each_layer_against_its_gemms(tmp_path):
     assert rate > 0 and np.isclose(row['ratio_to_gemms'][v], rate / row['gemms_gflops'])
 
 
-def test_an_unknown_candidate_is_refused_before_compute(tmp_path):
-  env = subprocess_env.binary_env(optimized=True)
-  proc = subprocess.run([sys.executable, '-m', 'experiments.benchmark', '--setting=conv_layers',
-                         '--variants=im2col,winograd', f'--out={tmp_path}/c.json'], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 1
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-      "error: --variants = 'im2col,winograd' is invalid: 'winograd' is not one of ['xla', 'im2col'")
-  assert not (tmp_path / 'c.json').exists()
+def test_an_unknown_candidate_is_refused_before_compute():
+  with pytest.raises(cv.ConfigError, match=r"^--variants = 'im2col,winograd' is invalid: "
+                                           r"'winograd' is not one of \['xla', 'im2col'"):
+    settings.make(setting='conv_layers', variants=['im2col', 'winograd'])

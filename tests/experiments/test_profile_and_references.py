@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments import benchmark, profile_summary
+from experiments import profile_summary
+from experiments.benchmark import round_speed
 
 
 def _trace(path):
@@ -62,12 +63,12 @@ def test_targets_of_a_row():
          'sequential': {'seconds_per_round': 0.1},  # a JAX baseline loop is not "ours"
          'torch': {'seconds_per_round': 2.07}, 'torch_bf16': {'seconds_per_round': 2.32},
          'torch_union': {'seconds_per_round': 0.18}, 'shard': {'skipped': 'one device'}}
-  t = benchmark.targets(res)
+  t = round_speed.targets(res)
   assert (t['fastest_jax'], t['faster_eager_loop']) == ('vmap/bfloat16', 'torch')
   np.testing.assert_allclose(t['speedup_vs_faster_eager_loop'], 2.07 / 0.28)
   np.testing.assert_allclose(t['time_vs_union_batch'], 0.28 / 0.18)
   assert not t['meets_eager_target'] and not t['meets_union_target']
-  assert benchmark.targets({'torch': {'seconds_per_round': 1.0}}) == {}
+  assert round_speed.targets({'torch': {'seconds_per_round': 1.0}}) == {}
 
 
 def test_torch_resnet18_is_the_library_resnet18_and_both_modes_train():
