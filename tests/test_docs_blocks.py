@@ -101,6 +101,18 @@ def _config_key_exists(key: str) -> bool:
   return True
 
 
+def _flags(words) -> dict:
+  """{name: value} of a command's --flags, written --flag=value or --flag value (the docs'
+  reproduce commands write `--table PATH`); None for a flag without a value."""
+  out = {}
+  for i, w in enumerate(words):
+    for name, value in docs_blocks.flag_words([w]):
+      if value is None and i + 1 < len(words) and not words[i + 1].startswith('--'):
+        value = words[i + 1]
+      out[name] = value
+  return out
+
+
 def _check_command(words, problems, where):
   for w in words:
     path = re.match(r'^((?:configs|scripts|experiments|fedjax_ssl|tests|docs)/[\w./-]+)', w)
@@ -122,7 +134,7 @@ def _check_command(words, problems, where):
   if importlib.util.find_spec(module) is None:
     problems.append(f'{where}: no module {module}')
     return
-  flags = dict(docs_blocks.flag_words(words[3:]))
+  flags = _flags(words[3:])
   for name in flags:
     if name.startswith(('config.', 'noconfig.')):
       if not _config_key_exists(name.split('.', 1)[1]):
@@ -184,7 +196,7 @@ def validate_problems(words, out: pathlib.Path) -> list:
   from experiments import plan
   from fedjax_ssl import reproduce
   module = words[2] if len(words) > 2 and words[1] == '-m' else ' '.join(words[:2])
-  flags = dict(docs_blocks.flag_words(words[3:]))
+  flags = _flags(words[3:])
   if module == 'experiments.train':
     configs = [_train_config(words)]
   elif module == 'experiments.reproduce':
