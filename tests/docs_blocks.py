@@ -9,10 +9,17 @@ on the line before it, an HTML comment a reader does not see rendered:
                                           twice the budget given; the block states its full time
   <!-- docs-test: names (WHY) -->         syntax and names only, for blocks that need a GPU, the
                                           network or several machines, or run this suite (WHY)
+  <!-- docs-test: validate (WHY) -->      the names checks, and each training command's runs built
+                                          without training: every config validated, its algorithm
+                                          built and its initial state traced, the first run's round
+                                          program traced, a table's outputs rendered; for commands
+                                          whose code path a run or smoke block already runs (WHY);
+                                          the block states its time
   <!-- docs-test: excerpt PATH -->        a fragment of PATH: each of its lines is in that file
 
 A block states its time as a comment, `# <number> s|min|h on 2 CPU cores ...`; several commands of
-one block state one each. docs/notes/harness.md#harness-24 has the rules and why.
+one block state one each. docs/notes/harness.md#harn-24 has the rules and why; #harn-32 the
+validate mark.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ from typing import List, Optional, Tuple
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LANGUAGES = {'python': 'python', 'bash': 'bash', 'sh': 'bash', 'shell': 'bash'}
-MODES = ('run', 'smoke', 'names', 'excerpt')
+MODES = ('run', 'smoke', 'names', 'validate', 'excerpt')
 
 _FENCE = re.compile(r'^(\s*)```([A-Za-z]*)\s*$')
 _MARK = re.compile(r'^\s*<!-- docs-test: (\w+)(.*?) -->\s*$')
