@@ -194,7 +194,7 @@ def validate_problems(words, out: pathlib.Path) -> list:
   would compile first); a table's outputs (table.csv, .md, .png) render under `out` with no run
   finished. Returns the problems, one line each."""
   from experiments import plan
-  from fedjax_ssl import reproduce
+  from fedjax_ssl import tables as reproduce
   module = words[2] if len(words) > 2 and words[1] == '-m' else ' '.join(words[:2])
   flags = _flags(words[3:])
   if module == 'experiments.train':
