@@ -210,6 +210,7 @@ def conv_general(x: jax.Array, w: jax.Array, groups: int, strides: Tuple[int, in
   already differentiated program, core/packing.py). x [N, H, W, G*C], w [kh, kw, C, G*O]; pads may
   be negative (cropping); strides and lhs_dilation not both > 1. interpret None: natively on a
   GPU, interpreted elsewhere."""
+  _check(x, w, groups)
   interpret = _interpret(interpret)
   strides, lhs_dilation = tuple(strides), tuple(lhs_dilation)
   if lhs_dilation == (1, 1):
@@ -329,6 +330,7 @@ def conv(x: jax.Array, w: jax.Array, groups: int, strides: Tuple[int, int], pads
   """Grouped convolution x [N, H, W, G*C] * w [kh, kw, C, G*O] -> [N, Ho, Wo, G*O] (strides,
   non-negative explicit pads ((top, bottom), (left, right))), differentiable: its input and
   weight gradients are the Pallas kernels of `input_grad` and `weight_grad`."""
+  _check(x, w, groups)
   if min(min(p) for p in pads) < 0:
     raise ValueError(f'pads={pads}: negative padding is not supported')
   return conv_general(x, w, groups, strides, pads, (1, 1), interpret)
