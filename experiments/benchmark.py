@@ -649,7 +649,9 @@ def run_scale() -> List[Dict]:
   return [info] + rows
 
 
-CONV_LAYERS_DEFAULTS = dict(variants=list(conv_layers.CANDIDATES), repeats=7)
+# variants: every candidate, less 'pallas' off a GPU (conv_layers.default_variants, resolved when the
+# defaults are applied: it asks the backend).
+CONV_LAYERS_DEFAULTS = dict(variants=conv_layers.default_variants, repeats=7)
 
 
 def run_conv_layers() -> List[Dict]:
@@ -736,7 +738,7 @@ def apply_setting_defaults() -> None:
               'conv_layers': CONV_LAYERS_DEFAULTS}.get(FLAGS.setting, {})
   for name, value in defaults.items():
     if not flags.FLAGS[name].present:
-      flags.FLAGS[name].value = value
+      flags.FLAGS[name].value = value() if callable(value) else value
 
 
 def define_flags() -> None:
