@@ -113,3 +113,39 @@ def test_bad_input_is_one_line_before_compute():
 def test_native_only_on_a_gpu():
   # This CPU: the kernels run interpreted, and nothing may choose them (core/packing.candidates).
   assert pallas_conv.available() == (jax.default_backend() == 'gpu')
+
+
+# (H, W, C, O, k, stride, pad) of one client: ResNet-18's distinct convolutions at 32x32
+# (experiments/conv_layers.py RESNET18_LAYERS, repeated here so that ops' tests import no experiment).
+RESNET18 = {
+    'stem': (32, 32, 3, 64, 3, 1, 1), 'layer1': (32, 32, 64, 64, 3, 1, 1),
+    'layer2.down': (32, 32, 64, 128, 3, 2, 1), 'layer2.shortcut': (32, 32, 64, 128, 1, 2, 0),
+    'layer2': (16, 16, 128, 128, 3, 1, 1), 'layer3.down': (16, 16, 128, 256, 3, 2, 1),
+    'layer3.shortcut': (16, 16, 128, 256, 1, 2, 0), 'layer3': (8, 8, 256, 256, 3, 1, 1),
+    'layer4.down': (8, 8, 256, 512, 3, 2, 1), 'layer4.shortcut': (8, 8, 256, 512, 1, 2, 0),
+    'layer4': (4, 4, 512, 512, 3, 1, 1),
+}
+
+
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32], ids=['bfloat16', 'float32'])
+def test_every_resnet18_layer_lowers_to_triton(dtype):
+  """Without a GPU: jax's Triton lowering (its checks included: power-of-two loaded tiles, dot
+  operands) accepts the forward, input-gradient and weight-gradient kernels of every ResNet-18
+  convolution at K = 10 clients x batch 128, lowered for CUDA on this CPU. What it cannot show:
+  Triton's own compile to PTX and the speed (docs/notes/performance.md#perf-69)."""
+  k, n = 10, 128
+  names = list(RESNET18) if dtype == jnp.bfloat16 else ['stem', 'layer2.down', 'layer4']
+  for name in names:
+    h, w_, c, o, kk, s, p = RESNET18[name]
+
+    def f(x, w, s=s, p=p):
+      y, vjp = jax.vjp(lambda x, w: pallas_conv.conv(x, w, k, (s, s), ((p, p), (p, p)), False),
+                       x, w)
+      return (y,) + vjp(y)
+    x = jax.ShapeDtypeStruct((n, h, w_, k * c), dtype)
+    w = jax.ShapeDtypeStruct((kk, kk, c, k * o), dtype)
+    text = jax.jit(f).trace(x, w).lower(lowering_platforms=('cuda',)).as_text()
+    # forward, weight gradient, and the input gradient: one call, or one per stride phase a tap
+    # reaches (3x3 stride 2: four; 1x1 stride 2: one).
+    want = 6 if (kk, s) == (3, 2) else 3
+    assert text.count('__gpu$xla.gpu.triton') == want, name
