@@ -184,10 +184,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('partition', config.partition, PARTITIONS)
   cv.check_choice('encoder', config.encoder, tuple(models.ENCODERS))
   cv.check_choice('conv_impl', config.conv_impl, models.layers.CONV_IMPLS)
-  try:
-    models.layers.check_pallas_backend(config.conv_impl)
-  except ValueError as e:
-    raise cv.ConfigError(f'config.conv_impl: {e}') from None
+  if config.conv_impl == 'pallas' and jax.default_backend() not in models.layers.PALLAS_BACKENDS:
+    raise cv.ConfigError(
+        f"config.conv_impl = 'pallas' is invalid on the {jax.default_backend()!r} backend: needs one "
+        f"of {models.layers.PALLAS_BACKENDS} (its Triton kernel); use 'packed', 'measured', 'xla' "
+        "or 'im2col'")
   cv.check_choice('precision', config.precision, tuple(models.PRECISIONS))
   cv.check_choice('heads', config.heads, HEADS)
   cv.check_choice('augmentation', config.augmentation, tuple(augment.PRESETS))
