@@ -272,13 +272,14 @@ def pallas_applies(eqn, vals: List[Value], case: str) -> bool:
   """True when ops/pallas_conv.py computes this packable equation: 2-D, NHWC activations, one
   group per client, no kernel dilation in a 'feature' equation (forward: strides; input gradient:
   lhs dilation, not both), stride-1 windows in a 'batch' one (kernel gradient: rhs dilation =
-  the forward's strides), a dtype of pallas_conv.DTYPES."""
+  the forward's strides), a dtype of pallas_conv.DTYPES for both operands and the result."""
   p = eqn.params
   dn = p['dimension_numbers']
   if (len(vals[0].shape) != 4 or jnp.dtype(vals[0].array.dtype).name not in pallas_conv.DTYPES
       or vals[0].array.dtype != vals[1].array.dtype or p['feature_group_count'] != 1
-      or p['batch_group_count'] != 1 or tuple(dn.out_spec)[1] != 3):
-    return False
+      or p['batch_group_count'] != 1 or tuple(dn.out_spec)[1] != 3
+      or p.get('preferred_element_type') not in (None, vals[0].array.dtype)):
+    return False  # (the kernel's output has its inputs' dtype)
   if case == 'feature':
     return (tuple(dn.lhs_spec) == _NHWC and tuple(p['rhs_dilation']) == (1, 1)
             and (tuple(p['window_strides']) == (1, 1) or tuple(p['lhs_dilation']) == (1, 1)))

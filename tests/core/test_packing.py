@@ -206,26 +206,33 @@ class _Strided(layers.nn.Module):
     return jnp.tanh(conv(4, 3, 2, 'SAME')(y + z))
 
 
-def test_pallas_equations_equal_the_grouped_ones():
-  """conv_impl='pallas' without a GPU (its Conv raises there): the packed evaluation with every
-  convolution equation (forward, input gradient with lhs dilation, kernel gradient with rhs
-  dilation) by ops/pallas_conv.py in interpret mode equals the grouped evaluation in float32."""
-  enc = _Strided()
+def test_pallas_equations_equal_the_grouped_ones(monkeypatch):
+  """conv_impl='pallas' (its backend check widened to this CPU, where it otherwise raises): the
+  packed evaluation sends every convolution equation (forward, input gradient with lhs dilation,
+  kernel gradient with rhs dilation) to ops/pallas_conv.py, interpreted here, and equals the
+  conv_impl='packed' program (grouped convolutions) in float32."""
+  monkeypatch.setattr(layers, 'PALLAS_BACKENDS', ('gpu', jax.default_backend()))
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 8, 8, 3))
-  params = jax.vmap(lambda k: enc.init(k, x[0])['params'])(jax.random.split(jax.random.PRNGKey(1), 2))
-
-  def step(p, xx):
-    return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(enc.apply({'params': p}, xx) * 3.0)))(p)
+  params = jax.vmap(lambda k: _Strided().init(k, x[0])['params'])(
+      jax.random.split(jax.random.PRNGKey(1), 2))
   seen = []
 
-  def spy(eqn, vals, k, case):
-    seen.append((case, packing.choose_pallas(eqn, vals, k, case)))
+  def spy(eqn, vals, k, case, original=packing.choose_pallas):
+    seen.append((case, original(eqn, vals, k, case)))
     return seen[-1][1]
-  got = jax.jit(packing.vmap(step, choose=spy))(params, x)
-  want = jax.jit(packing.vmap(step))(params, x)
+  monkeypatch.setattr(packing, 'choose_pallas', spy)
+
+  def run(conv_impl):
+    enc = _Strided(conv_impl=conv_impl)
+
+    def step(p, xx):
+      return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(enc.apply({'params': p}, xx) * 3.0)))(p)
+    return jax.jit(packing.vmap(step))(params, x)
+  got, want = run('pallas'), run('packed')
   # 4 forward convolutions, 3 input gradients (not the first: x is not differentiated), 4 kernel
   # gradients, every one by the kernel.
   assert sorted(seen) == sorted([('feature', 'pallas')] * 7 + [('batch', 'pallas')] * 4)
+  assert layers.fedjax_ssl_pallas_conv.__name__ == packing.PALLAS_CONV
   # float32, at most a few hundred terms per value: summation order only.
   for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(a))))
