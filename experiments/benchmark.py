@@ -39,8 +39,9 @@ Settings (--setting):
   * `conv_layers`: each convolution layer of the CPU benchmark models (cross_device_cnn at batch 10,
     small_cnn at batch 128), forward and both gradients inside a `lax.scan`, under the candidate
     implementations of experiments/conv_layers.py (--variants; default all, `pallas` only on a GPU),
-    beside the layer's three GEMMs alone on cache-warm operands; GFLOP/s and the ratio to the GEMMs per layer, and the
-    implementation conv_impl='auto' picks on this backend. --repeats timed scans per variant.
+    beside the layer's three GEMMs alone on cache-warm operands; GFLOP/s and the ratio to the GEMMs
+    per layer, and the implementation conv_impl='auto' picks on this backend. --repeats timed scans
+    per variant.
 
 For every (model, augmentation, client count) the same FedBYOL round (E local steps of batch B per
 client, SGD with momentum) runs
