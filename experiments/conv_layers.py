@@ -337,6 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   ap.add_argument('--dtype', default='bfloat16', choices=('float32', 'bfloat16'))
   ap.add_argument('--repeats', type=int, default=5)
   ap.add_argument('--layers', default='', help='comma-separated names of RESNET18_LAYERS (all)')
+  ap.add_argument('--tiles', default='',
+                  help='M,N,K: the Pallas kernels\' tiles (pallas_conv.set_tiles; default theirs)')
   ap.add_argument('--smoke', action='store_true',
                   help='two tiny layers (stride 1 and 2) for a CPU test of this program')
   ap.add_argument('--out', required=True)
@@ -348,6 +350,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   bad = [i for i in impls if i not in GROUPED_IMPLS] + [n for n in names if n not in shapes]
   if bad:
     raise SystemExit(f'error: {bad[0]!r} is not an impl {GROUPED_IMPLS} nor a layer {tuple(shapes)}')
+  if a.tiles:
+    try:
+      pallas_conv.set_tiles(*(int(t) for t in a.tiles.split(',')))
+    except (ValueError, TypeError) as e:
+      raise SystemExit(f'error: --tiles={a.tiles!r}: {e} (need M,N,K)') from None
   info = {'backend': jax.default_backend(), 'device': jax.devices()[0].device_kind,
           'jax': jax.__version__, 'pallas_native': pallas_conv.available(), 'clients': a.clients,
           'batch': a.batch, 'dtype': a.dtype, 'repeats': a.repeats,

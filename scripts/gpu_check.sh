@@ -24,10 +24,10 @@
 #                                     # in CACHE/conv_impl.json, copied back); the anchor ('xla',
 #                                     # the default) is part conv's `default` stage (PERF-53)
 #   bash scripts/gpu_check.sh pallas  # issue 65 item 3: each distinct ResNet-18 convolution (K = 10
-#                                     # clients x batch 128, bf16, then float32) forward + both
-#                                     # gradients: the Pallas kernel (ops/pallas_conv.py) against
-#                                     # XLA's grouped convolution on the packed layout (cuDNN) and
-#                                     # the default vmap form (PERF-68)
+#                                     # clients x batch 128, bf16) forward + both gradients: the
+#                                     # Pallas kernel (ops/pallas_conv.py) against XLA's grouped
+#                                     # convolution on the packed layout (cuDNN) and the default
+#                                     # vmap form, then the kernel with 128 x 128 tiles (PERF-69)
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
@@ -149,14 +149,15 @@ packed)
   cp "$CACHE/conv_impl.json" "$OUT/conv_impl_choices.json" 2>/dev/null
   ;;
 pallas)
-  # Issue 65 item 3: 11 layer shapes x 3 implementations, one compile each (the Pallas kernel's
-  # strided input gradient is four), then R timed calls; bf16 is the round's precision, float32
-  # the second stage. Each writes its JSON even when
-  # its limit ends it (the rows measured so far).
+  # Issue 65 item 3: 11 layer shapes x 3 implementations in bf16 (the round's precision), one
+  # compile each (the Pallas kernel's strided input gradient is four), then R + 2 timed calls; then
+  # the kernel alone with 128 x 128 tiles (8 warps), the tile sweep's second point (PERF-69). Each
+  # stage writes its JSON even when its limit ends it (the rows measured so far).
   stage layers_bf16 200 "$PY" -m experiments.conv_layers --clients=$C --repeats=$((R + 2)) \
     --dtype=bfloat16 "${LAYERS[@]}" --out="$OUT/pallas_layers_bf16.json"
-  stage layers_f32 100 "$PY" -m experiments.conv_layers --clients=$C --repeats=$R \
-    --dtype=float32 "${LAYERS[@]}" --out="$OUT/pallas_layers_f32.json"
+  stage layers_t128 100 "$PY" -m experiments.conv_layers --clients=$C --repeats=$((R + 2)) \
+    --dtype=bfloat16 --impls=pallas --tiles=128,128,32 "${LAYERS[@]}" \
+    --out="$OUT/pallas_layers_bf16_t128.json"
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \

@@ -76,14 +76,24 @@ def _channel_tile(c: int, widest: int) -> int:
   return t
 
 
-def _compiler_params():
+def _compiler_params(acc_elems: int):
   # Triton explicitly: a GPU backend may default pallas_call to Mosaic GPU (jax_pallas_use_mosaic_gpu).
+  # 4 warps hold a 64 x 64 float32 accumulator in 32 registers a thread; a larger one gets 8.
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
-  return pltriton.CompilerParams(num_warps=4, num_stages=3)
+  return pltriton.CompilerParams(num_warps=4 if acc_elems <= 64 * 64 else 8, num_stages=3)
 
 
-def _call(kernel, out_shape, grid, in_specs, out_specs, interpret: bool):
-  kw = {} if interpret else {'compiler_params': _compiler_params()}
+def set_tiles(m: int, n: int, k: int) -> None:
+  """Sets TILE_M, TILE_N, TILE_K (for a tile sweep, before anything is traced): powers of two
+  >= 16, Triton's smallest dot."""
+  for name, t in (('TILE_M', m), ('TILE_N', n), ('TILE_K', k)):
+    if t < 16 or t & (t - 1):
+      raise ValueError(f'{name}={t}; allowed: a power of two >= 16')
+  globals().update(TILE_M=m, TILE_N=n, TILE_K=k)
+
+
+def _call(kernel, out_shape, grid, in_specs, out_specs, interpret: bool, acc_elems: int):
+  kw = {} if interpret else {'compiler_params': _compiler_params(acc_elems)}
   return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret, **kw)
 
@@ -173,7 +183,8 @@ def _forward_padded(xp: jax.Array, w: jax.Array, groups: int, s: Tuple[int, int]
       kernel, jax.ShapeDtypeStruct((mp, g * op), xp.dtype), (g, mp // TILE_M, no),
       [pl.BlockSpec((ph.shape[0], ph.shape[1], cp), lambda gi, mi, oi: (0, 0, gi)),
        pl.BlockSpec((kh * kw, cp, bn), lambda gi, mi, oi: (0, 0, gi * no + oi))],
-      pl.BlockSpec((TILE_M, bn), lambda gi, mi, oi: (mi, gi * no + oi)), interpret)(ph, wt)
+      pl.BlockSpec((TILE_M, bn), lambda gi, mi, oi: (mi, gi * no + oi)), interpret,
+      TILE_M * bn)(ph, wt)
   out = out[:m].reshape(n, hq, wq, g, op)[:, :ho, :wo, :, :o]
   return out.reshape(n, ho, wo, g * o)
 
@@ -299,7 +310,7 @@ def weight_grad(x: jax.Array, gy: jax.Array, groups: int, strides: Tuple[int, in
       [pl.BlockSpec((ph.shape[0], ph.shape[1], bc), lambda gi, si, ti, ci, oi: (0, 0, gi * nc + ci)),
        pl.BlockSpec((mp, bn), lambda gi, si, ti, ci, oi: (0, gi * no + oi))],
       pl.BlockSpec((1, 1, bc, bn), lambda gi, si, ti, ci, oi: (si, ti, ci, gi * no + oi)),
-      interpret)(ph, gq)
+      interpret, bc * bn)(ph, gq)
   dw = part.sum(0).reshape(t, cp, g, op)[:, :c, :, :o]
   return dw.reshape(kh, kw, c, g * o).astype(x.dtype)
 
@@ -351,4 +362,4 @@ def _conv_bwd(groups, strides, pads, interpret, res, gy):
 conv.defvjp(_conv_fwd, _conv_bwd)
 
 __all__ = ['DTYPES', 'MIN_PROGRAMS', 'TILE_K', 'TILE_M', 'TILE_N', 'TILE_R', 'available', 'conv',
-           'conv_general', 'input_grad', 'weight_grad']
+           'conv_general', 'input_grad', 'set_tiles', 'weight_grad']

@@ -87,13 +87,16 @@ def test_pallas_part_times_every_layer_under_every_impl(tmp_path):
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert sorted(os.listdir(tmp_path)) == [
-      'check_pallas.log', 'env_pallas.json', 'pallas_layers_bf16.json', 'pallas_layers_f32.json']
-  for dtype in ('bf16', 'f32'):
-    info, *rows = json.loads((tmp_path / f'pallas_layers_{dtype}.json').read_text())
+      'check_pallas.log', 'env_pallas.json', 'pallas_layers_bf16.json',
+      'pallas_layers_bf16_t128.json']
+  for name, impls, tiles in (('bf16', {'pallas', 'grouped', 'vmap'}, [64, 64, 32]),
+                             ('bf16_t128', {'pallas'}, [128, 128, 32])):
+    info, *rows = json.loads((tmp_path / f'pallas_layers_{name}.json').read_text())
     assert info['clients'] == 3 and len(rows) == 2
-    assert all(set(r['seconds']) == {'pallas', 'grouped', 'vmap'} for r in rows)
+    assert [info['tiles'][t] for t in 'MNK'] == tiles
+    assert all(set(r['seconds']) == impls for r in rows)
   log = (tmp_path / 'check_pallas.log').read_text()
-  assert '=== layers_bf16: exit 0' in log and '=== layers_f32: exit 0' in log
+  assert '=== layers_bf16: exit 0' in log and '=== layers_t128: exit 0' in log
 
 
 def test_unknown_part_is_one_error_line(tmp_path):

@@ -110,6 +110,15 @@ def test_bad_input_is_one_line_before_compute():
     pallas_conv.conv(x, jnp.zeros((3, 3, 3, 8)), 2, (1, 1), ((-1, 1), (1, 1)), True)
 
 
+def test_tiles_are_powers_of_two_of_at_least_16(monkeypatch):
+  for name in ('TILE_M', 'TILE_N', 'TILE_K'):  # restored after the test
+    monkeypatch.setattr(pallas_conv, name, getattr(pallas_conv, name))
+  pallas_conv.set_tiles(128, 64, 16)
+  assert (pallas_conv.TILE_M, pallas_conv.TILE_N, pallas_conv.TILE_K) == (128, 64, 16)
+  with pytest.raises(ValueError, match=r'^TILE_N=48; allowed: a power of two >= 16$'):
+    pallas_conv.set_tiles(64, 48, 32)
+
+
 def test_native_only_on_a_gpu():
   # This CPU: the kernels run interpreted, and nothing may choose them (core/packing.candidates).
   assert pallas_conv.available() == (jax.default_backend() == 'gpu')
@@ -127,14 +136,21 @@ RESNET18 = {
 }
 
 
-@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float32], ids=['bfloat16', 'float32'])
-def test_every_resnet18_layer_lowers_to_triton(dtype):
+@pytest.mark.parametrize('dtype,tiles', [(jnp.bfloat16, None), (jnp.float32, None),
+                                         (jnp.bfloat16, (128, 128, 32))],
+                         ids=['bfloat16', 'float32', 'bfloat16_tiles128'])
+def test_every_resnet18_layer_lowers_to_triton(dtype, tiles, monkeypatch):
   """Without a GPU: jax's Triton lowering (its checks included: power-of-two loaded tiles, dot
   operands) accepts the forward, input-gradient and weight-gradient kernels of every ResNet-18
-  convolution at K = 10 clients x batch 128, lowered for CUDA on this CPU. What it cannot show:
-  Triton's own compile to PTX and the speed (docs/notes/performance.md#perf-69)."""
+  convolution at K = 10 clients x batch 128, lowered for CUDA on this CPU, at the default tiles and
+  at the 128 x 128 ones of the GPU check's second stage. What it cannot show: Triton's own compile
+  to PTX and the speed (docs/notes/performance.md#perf-69)."""
+  if tiles:
+    for name, t in zip(('TILE_M', 'TILE_N', 'TILE_K'), tiles):
+      monkeypatch.setattr(pallas_conv, name, t)
   k, n = 10, 128
   names = list(RESNET18) if dtype == jnp.bfloat16 else ['stem', 'layer2.down', 'layer4']
+  assert pallas_conv.TILE_M == (tiles or (64,))[0]
   for name in names:
     h, w_, c, o, kk, s, p = RESNET18[name]
 
