@@ -19,7 +19,15 @@ Candidates (stride 1, explicit padding: the layers measured here; every one comp
   * `chunk16`: `im2col` over chunks of 16 images in a `lax.map`, so each chunk's patches stay in
     cache (batch 128 layers only);
   * `kernel_grad_gt`: `im2col` with the kernel gradient as (g^T cols)^T, the transposed operand
-    being the output gradient (cout columns) rather than the patches.
+    being the output gradient (cout columns) rather than the patches;
+  * `pallas`: ops/pallas_conv.py's implicit GEMM with one group, its two gradients Pallas kernels
+    too (float32 / bfloat16 only; a default variant only on a GPU: elsewhere it runs interpreted,
+    docs/notes/performance.md#perf-68).
+
+The client-grouped form (issue 65 item 3): `python -m experiments.conv_layers --out F.json` times,
+for each distinct convolution of ResNet-18 (CIFAR stem, 32x32 input) with K clients packed in the
+channels, forward + input gradient + weight gradient under GROUPED_IMPLS (`run_grouped`); the
+prepared GPU check runs it (`scripts/gpu_check.sh pallas`).
 
 `gemms`: the layer's three GEMMs (cols @ K, g @ K^T, cols^T @ g) in the standard layout on
 precomputed, cache-warm operands, the same ReLU mask: the speed the layer would have if building
@@ -32,12 +40,13 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_ssl.models import layers
+from fedjax_ssl.ops import pallas_conv
 
 Pads = Tuple[Tuple[int, int], Tuple[int, int]]
 STEPS = 25  # steps per timed scan
@@ -137,6 +146,11 @@ def conv_chunked(x: jax.Array, k: jax.Array, pads: Pads, chunk: int = 16) -> jax
   return y.reshape((b,) + y.shape[2:])
 
 
+def conv_pallas(x: jax.Array, k: jax.Array, pads: Pads) -> jax.Array:
+  """ops/pallas_conv.py with one group, stride 1 (interpreted off a GPU)."""
+  return pallas_conv.conv(x, k, 1, (1, 1), pads)
+
+
 CANDIDATES: Dict[str, Callable[[jax.Array, jax.Array, Pads], jax.Array]] = {
     'xla': conv_xla,
     'im2col': conv_im2col,
@@ -145,7 +159,13 @@ CANDIDATES: Dict[str, Callable[[jax.Array, jax.Array, Pads], jax.Array]] = {
     'rows': conv_rows,
     'chunk16': conv_chunked,
     'kernel_grad_gt': conv_kernel_grad_gt,
+    'pallas': conv_pallas,
 }
+
+
+def default_variants() -> List[str]:
+  """The candidates timed by default: all, less 'pallas' where it would run interpreted."""
+  return [v for v in CANDIDATES if v != 'pallas' or pallas_conv.available()]
 
 
 def _conv_loop(conv, pads: Pads):
@@ -218,3 +238,139 @@ def run(variants: Sequence[str], repeats: int, layer_names: Sequence[str] = tupl
           + f' | best {best}', flush=True)
     rows.append(row)
   return rows
+
+
+# --- client-grouped layers (issue 65 item 3) ------------------------------------------------------
+
+# name -> (H, W, cin, cout, k, stride, padding) of one client: the distinct convolutions of
+# ResNet-18 (models/resnet.py: 3x3 stride-1 stem, BasicBlocks, 1x1 stride-2 shortcuts) at 32x32.
+RESNET18_LAYERS: Dict[str, Tuple[int, ...]] = {
+    'stem': (32, 32, 3, 64, 3, 1, 1),
+    'layer1': (32, 32, 64, 64, 3, 1, 1),
+    'layer2.down': (32, 32, 64, 128, 3, 2, 1),
+    'layer2.shortcut': (32, 32, 64, 128, 1, 2, 0),
+    'layer2': (16, 16, 128, 128, 3, 1, 1),
+    'layer3.down': (16, 16, 128, 256, 3, 2, 1),
+    'layer3.shortcut': (16, 16, 128, 256, 1, 2, 0),
+    'layer3': (8, 8, 256, 256, 3, 1, 1),
+    'layer4.down': (8, 8, 256, 512, 3, 2, 1),
+    'layer4.shortcut': (8, 8, 256, 512, 1, 2, 0),
+    'layer4': (4, 4, 512, 512, 3, 1, 1),
+}
+# How the K clients' convolution runs: `pallas` (ops/pallas_conv.py on the packed layout [N, H, W,
+# K*C]), `grouped` (XLA's grouped convolution on the packed layout, feature_group_count = K: what
+# conv_impl='packed' runs; cuDNN on a GPU), `vmap` (jax.vmap of the per-client convolution over
+# stacked [K, N, H, W, C] operands: the default program's, JAX's batching rule with its transposes).
+GROUPED_IMPLS = ('pallas', 'grouped', 'vmap')
+
+
+def _grouped_fn(impl: str, k: int, strides: Tuple[int, int], pads: Pads) -> Callable:
+  """(x, w, g) -> (y, dx, dw) of the K clients' convolution under `impl`; x packed [N, H, W, K*C]
+  (stacked [K, N, H, W, C] for vmap), w [kh, kw, C, K*O] ([K, kh, kw, C, O])."""
+  dn = ('NHWC', 'HWIO', 'NHWC')
+  if impl == 'pallas':
+    conv = lambda x, w: pallas_conv.conv(x, w, k, strides, pads)  # noqa: E731
+  elif impl == 'grouped':
+    conv = lambda x, w: jax.lax.conv_general_dilated(  # noqa: E731
+        x, w, strides, pads, dimension_numbers=dn, feature_group_count=k)
+  elif impl == 'vmap':
+    conv = jax.vmap(lambda x, w: jax.lax.conv_general_dilated(x, w, strides, pads,
+                                                              dimension_numbers=dn))
+  else:
+    raise ValueError(f'impl={impl!r}; allowed: {GROUPED_IMPLS}')
+
+  def step(x, w, g):
+    y, vjp = jax.vjp(conv, x, w)
+    return (y,) + vjp(g)
+  return jax.jit(step)
+
+
+def measure_grouped_layer(name: str, shape: Sequence[int], impls: Sequence[str], k: int, batch: int,
+                          dtype, repeats: int) -> Dict:
+  """Median seconds of forward + input gradient + weight gradient of one layer for K clients under
+  each impl, and TFLOP/s (3 * 2 * batch * Ho * Wo * kh * kw * cin * cout * K)."""
+  h, w, cin, cout, kk, s, p = shape
+  pads = ((p, p), (p, p))
+  ho, wo = (h + 2 * p - kk) // s + 1, (w + 2 * p - kk) // s + 1
+  flops = 3 * 2 * batch * ho * wo * kk * kk * cin * cout * k
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  xs = jax.random.normal(keys[0], (k, batch, h, w, cin), dtype)
+  ws = (jax.random.normal(keys[1], (k, kk, kk, cin, cout)) * 0.05).astype(dtype)
+  gs = jax.random.normal(keys[2], (k, batch, ho, wo, cout), dtype)
+  packed = lambda a: jnp.moveaxis(a, 0, -2).reshape(a.shape[1:-1] + (k * a.shape[-1],))  # noqa: E731
+  row = {'layer': name, 'h_w_cin_cout_k_stride_pad': list(shape), 'clients': k, 'batch': batch,
+         'dtype': jnp.dtype(dtype).name, 'gflop': flops / 1e9, 'seconds': {}, 'tflops': {}}
+  for impl in impls:
+    args = (xs, ws, gs) if impl == 'vmap' else (packed(xs), packed(ws), packed(gs))
+    sec = _median_seconds(_grouped_fn(impl, k, (s, s), pads), args, repeats)
+    row['seconds'][impl], row['tflops'][impl] = sec, flops / sec / 1e12
+  return row
+
+
+def run_grouped(impls: Sequence[str], k: int, batch: int, dtype, repeats: int,
+                layer_names: Sequence[str] = tuple(RESNET18_LAYERS),
+                shapes: Dict[str, Tuple[int, ...]] = RESNET18_LAYERS) -> List[Dict]:
+  """One row per layer (measure_grouped_layer), printed as it completes."""
+  rows = []
+  for name in layer_names:
+    row = measure_grouped_layer(name, shapes[name], impls, k, batch, dtype, repeats)
+    ref = row['seconds'].get('grouped')
+    print(f'{name:16s} {row["gflop"]:7.1f} GFLOP | ' + ' '.join(
+        f'{i} {sec * 1e3:8.3f} ms ({row["tflops"][i]:6.1f} TFLOP/s'
+        + (f', {sec / ref:.2f}x grouped)' if ref else ')') for i, sec in row['seconds'].items()),
+          flush=True)
+    rows.append(row)
+  return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  """python -m experiments.conv_layers: the client-grouped ResNet-18 layers (run_grouped) to JSON."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  ap = argparse.ArgumentParser(description=main.__doc__)
+  ap.add_argument('--impls', default=','.join(GROUPED_IMPLS))
+  ap.add_argument('--clients', type=int, default=10)
+  ap.add_argument('--batch', type=int, default=128, help='images per client (both views of 64)')
+  ap.add_argument('--dtype', default='bfloat16', choices=('float32', 'bfloat16'))
+  ap.add_argument('--repeats', type=int, default=5)
+  ap.add_argument('--layers', default='', help='comma-separated names of RESNET18_LAYERS (all)')
+  ap.add_argument('--tiles', default='',
+                  help='M,N,K: the Pallas kernels\' tiles (pallas_conv.set_tiles; default theirs)')
+  ap.add_argument('--smoke', action='store_true',
+                  help='two tiny layers (stride 1 and 2) for a CPU test of this program')
+  ap.add_argument('--out', required=True)
+  a = ap.parse_args(argv)
+  impls = [i for i in a.impls.split(',') if i]
+  shapes = ({'tiny': (6, 6, 3, 8, 3, 1, 1), 'tiny.down': (6, 6, 8, 16, 3, 2, 1)} if a.smoke
+            else RESNET18_LAYERS)
+  names = [n for n in a.layers.split(',') if n] or list(shapes)
+  bad = [i for i in impls if i not in GROUPED_IMPLS] + [n for n in names if n not in shapes]
+  if bad:
+    raise SystemExit(f'error: {bad[0]!r} is not an impl {GROUPED_IMPLS} nor a layer {tuple(shapes)}')
+  if a.tiles:
+    try:
+      pallas_conv.set_tiles(*(int(t) for t in a.tiles.split(',')))
+    except (ValueError, TypeError) as e:
+      raise SystemExit(f'error: --tiles={a.tiles!r}: {e} (need M,N,K)') from None
+  info = {'backend': jax.default_backend(), 'device': jax.devices()[0].device_kind,
+          'jax': jax.__version__, 'pallas_native': pallas_conv.available(), 'clients': a.clients,
+          'batch': a.batch, 'dtype': a.dtype, 'repeats': a.repeats,
+          'tiles': {'M': pallas_conv.TILE_M, 'N': pallas_conv.TILE_N, 'K': pallas_conv.TILE_K,
+                    'R': pallas_conv.TILE_R}}
+  print(json.dumps(info), flush=True)
+  # The check's stage limit sends SIGTERM: exit through the `finally` below, keeping the rows.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+  rows = []
+  try:
+    rows = run_grouped(impls, a.clients, a.batch, jnp.dtype(a.dtype), a.repeats, names, shapes)
+  finally:  # what was measured before a time limit or a failure still comes back
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, 'w') as f:
+      json.dump([info] + rows, f, indent=1)
+
+
+if __name__ == '__main__':
+  main()

@@ -72,7 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.algorithm = 'fedavg'          # a registered name: fedjax_ssl.algorithms.names()
   c.ssl_method = 'byol'           # a registered objective: fedjax_ssl.ssl.names(); its keys: c.<name>
   c.encoder = 'small_cnn'
-  c.conv_impl = 'auto'            # auto | xla | im2col
+  c.conv_impl = 'auto'            # auto | xla | im2col | packed | measured | pallas (GPU only)
   # Compute dtype of convolutions, matmuls and activations: float32 | bfloat16. Parameters, optimizer
   # state, BN statistics, losses and the ops stay float32 (docs/notes/engine.md#eng-58).
   c.precision = 'float32'
@@ -184,6 +184,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('partition', config.partition, PARTITIONS)
   cv.check_choice('encoder', config.encoder, tuple(models.ENCODERS))
   cv.check_choice('conv_impl', config.conv_impl, models.layers.CONV_IMPLS)
+  if config.conv_impl == 'pallas' and jax.default_backend() not in models.layers.PALLAS_BACKENDS:
+    raise cv.ConfigError(
+        f"config.conv_impl = 'pallas' is invalid on the {jax.default_backend()!r} backend: needs one "
+        f"of {models.layers.PALLAS_BACKENDS} (its Triton kernel); use 'packed', 'measured', 'xla' "
+        "or 'im2col'")
   cv.check_choice('precision', config.precision, tuple(models.PRECISIONS))
   cv.check_choice('heads', config.heads, HEADS)
   cv.check_choice('augmentation', config.augmentation, tuple(augment.PRESETS))

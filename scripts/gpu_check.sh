@@ -23,6 +23,11 @@
 #                                     # convolution timed as grouped / loop / vmap once, its choice
 #                                     # in CACHE/conv_impl.json, copied back); the anchor ('xla',
 #                                     # the default) is part conv's `default` stage (PERF-53)
+#   bash scripts/gpu_check.sh pallas  # issue 65 item 3: each distinct ResNet-18 convolution (K = 10
+#                                     # clients x batch 128, bf16) forward + both gradients: the
+#                                     # Pallas kernel (ops/pallas_conv.py) against XLA's grouped
+#                                     # convolution on the packed layout (cuDNN) and the default
+#                                     # vmap form, then the kernel with 128 x 128 tiles (PERF-69)
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
@@ -43,7 +48,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-core}
-case "$PART" in core|conv|packed|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, packed, extra, auto or export" >&2; exit 1;; esac
+case "$PART" in core|conv|packed|pallas|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, packed, pallas, extra, auto or export" >&2; exit 1;; esac
 OUT=${OUT:-docs/results/gpu/check_$PART}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_$PART.log") 2>&1
@@ -62,8 +67,9 @@ CACHE=$(mktemp -d /tmp/fedjax_ssl_cache.XXXX)  # a cold cache: the first compile
 # float32 matmuls and convolutions run as TF32), bf16 ~989.
 PEAKS=${PEAKS:-495,989}
 M=resnet18 C=10 C100=100 E=5 B=64 B128=128 R=3 IMAGES=640 TRAIN_ARGS=() UNION=(--torch_variants=torch_union)
+LAYERS=()
 if [ "${SMOKE:-0}" = 1 ]; then
-  M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16 UNION=(--notorch)
+  M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16 UNION=(--notorch) LAYERS=(--smoke --batch=2)
   TRAIN_ARGS=(--config.encoder=mlp --config.num_clients=3 --config.clients_per_round=3
               --config.train_size=96 --config.rounds=1 --config.heads=custom)
 fi
@@ -141,6 +147,17 @@ packed)
     --variants=vmap --precisions=bfloat16 --peak_tflops="${PEAKS#*,}" --conv_impl=measured \
     --notorch --cache_dir="$CACHE" --out="$OUT/conv_measured.json"
   cp "$CACHE/conv_impl.json" "$OUT/conv_impl_choices.json" 2>/dev/null
+  ;;
+pallas)
+  # Issue 65 item 3: 11 layer shapes x 3 implementations in bf16 (the round's precision), one
+  # compile each (the Pallas kernel's strided input gradient is four), then R + 2 timed calls; then
+  # the kernel alone with 128 x 128 tiles (8 warps), the tile sweep's second point (PERF-69). Each
+  # stage writes its JSON even when its limit ends it (the rows measured so far).
+  stage layers_bf16 200 "$PY" -m experiments.conv_layers --clients=$C --repeats=$((R + 2)) \
+    --dtype=bfloat16 "${LAYERS[@]}" --out="$OUT/pallas_layers_bf16.json"
+  stage layers_t128 100 "$PY" -m experiments.conv_layers --clients=$C --repeats=$((R + 2)) \
+    --dtype=bfloat16 --impls=pallas --tiles=128,128,32 "${LAYERS[@]}" \
+    --out="$OUT/pallas_layers_bf16_t128.json"
   ;;
 extra)
   stage bench_c100 150 "$PY" -m experiments.benchmark --models=$M --clients=$C100 \

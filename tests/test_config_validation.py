@@ -245,6 +245,14 @@ def test_data_dir_vs_data_source(tmp_path):
            dataset='fashion_mnist_subset', data_dir=str(tmp_path / 'x.npz'))
 
 
+def test_pallas_convolutions_need_a_gpu_backend():
+  if jax.default_backend() == 'gpu':
+    pytest.skip('the Pallas kernel compiles here')
+  _invalid(f"config.conv_impl = 'pallas' is invalid on the '{jax.default_backend()}' backend: needs "
+           "one of ('gpu',) (its Triton kernel); use 'packed', 'measured', 'xla' or 'im2col'",
+           conv_impl='pallas', encoder='small_cnn')
+
+
 def test_strategy_participant_error_is_a_config_error():
   if jax.device_count() == 1:
     pytest.skip('needs several devices (tests/conftest.py)')

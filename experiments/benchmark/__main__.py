@@ -68,13 +68,15 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
   flags.DEFINE_list('profile_variants', list(d['profile_variants']),
                     'Variants to profile (default: every JAX variant).', **fv)
   flags.DEFINE_enum(
-      'conv_impl', d['conv_impl'], ['auto', 'xla', 'im2col', 'packed', 'measured'],
+      'conv_impl', d['conv_impl'], ['auto', 'xla', 'im2col', 'packed', 'measured', 'pallas'],
       "config.conv_impl of the JAX variants: 'im2col' (slices + one matmul) turns a stacked round's "
       'per-client convolutions into batched matmuls instead of grouped convolutions '
       "(docs/notes/performance.md#perf-50); 'packed' keeps the stacked clients' activations "
       "[N, H, W, K*C] (core/packing.py); 'measured' times each convolution's implementations once "
-      '(core/conv_choice.py) and the output lists every convolution\'s candidate times '
-      '(docs/notes/performance.md#perf-53).', **fv)
+      '(core/conv_choice.py; on a GPU the Pallas kernel is a candidate) and the output lists '
+      "every convolution's candidate times (docs/notes/performance.md#perf-53); 'pallas' runs "
+      'every convolution it can by the Pallas kernel of ops/pallas_conv.py (GPU only, '
+      'PERF-68).', **fv)
   flags.DEFINE_string(
       'cache_dir', d['cache_dir'], 'JAX\'s persistent compilation cache for the timed programs '
       '(fedjax_ssl/core/compilation.py): a second benchmark process with the same folder loads '

@@ -77,7 +77,8 @@ def make(**given: Any) -> Settings:
   setting = given.get('setting', DEFAULTS['setting'])
   if setting not in SETTINGS:
     raise cv.ConfigError(f'--setting = {setting!r} is invalid: must be one of {list(SETTINGS)}')
-  return Settings(**{**SETTING_DEFAULTS[setting], **given})
+  defaults = {k: v() if callable(v) else v for k, v in SETTING_DEFAULTS[setting].items()}
+  return Settings(**{**defaults, **given})
 
 
 def check(s: Settings) -> None:

@@ -3,10 +3,14 @@ implementation that measured fastest for its shape.
 
 Under `core.packing.vmap` every packable convolution equation of the local step (the forward
 convolution, its input gradient and its kernel gradient are three equations, each decided on its
-own) has candidates `packing.IMPLS`:
+own) has candidates `packing.candidates` (of packing.IMPLS):
   grouped  one grouped convolution on the packed operands (feature or batch groups = clients);
   loop     one dense convolution per client on its slice of the packed operands, concatenated;
-  vmap     jax.vmap's batching rule on the stacked operands (what conv_impl='xla' runs).
+  vmap     jax.vmap's batching rule on the stacked operands (what conv_impl='xla' runs);
+  pallas   ops/pallas_conv.py's grouped implicit GEMM (groups = clients), only on a GPU backend
+           (elsewhere Pallas runs interpreted, orders of magnitude slower: never timed, never
+           chosen, and a stored 'pallas' choice is measured again) and for the equations
+           `packing.pallas_applies` accepts.
 The first time a (device kind, jax version, client count, convolution) key is seen, each candidate
 is compiled alone and timed (median of REPEATS calls on random operands of the equation's shapes),
 the fastest is kept in CACHE_DIR/conv_impl.json beside strategy.json (core/compilation.py), and
@@ -93,7 +97,7 @@ def time_candidates(eqn, vals: List[packing.Value], k: int, case: str,
   rs = np.random.RandomState(0)
   arrays = [np.asarray(rs.standard_normal(v.array.shape), v.array.dtype) for v in vals]
   seconds = {}
-  for impl in packing.IMPLS:
+  for impl in packing.candidates(eqn, vals, case):
     fn = packing.conv_impl_fn(impl)
 
     def run(*arrs, fn=fn):
@@ -123,8 +127,14 @@ def choose(eqn, vals: List[packing.Value], k: int, case: str) -> str:
     folder = cache_dir()
     path = folder / FILE if folder else None
     stored = read(path) if path else {}
-    if key in stored and isinstance(stored[key], dict):
-      _RECORD[key] = {'impl': stored[key]['impl'], 'seconds': stored[key].get('seconds', {}),
+    usable = packing.candidates(eqn, vals, case)
+    entry = stored.get(key)
+    if isinstance(entry, dict) and entry['impl'] not in usable:
+      logging.warning('conv_impl choices %s: %r for %s cannot run here (candidates %s): measuring',
+                      path, entry['impl'], key, usable)
+      entry = None
+    if isinstance(entry, dict):
+      _RECORD[key] = {'impl': entry['impl'], 'seconds': entry.get('seconds', {}),
                       'source': 'cache'}
     else:
       seconds = time_candidates(eqn, vals, k, case)

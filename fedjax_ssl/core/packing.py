@@ -28,17 +28,23 @@ other program is vmapped by jax.vmap unchanged.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import tree_util as _tree_util
 from jax.extend import core as jax_core
 
+from fedjax_ssl.ops import pallas_conv
+
 PACKED_CONV = 'fedjax_ssl_packed_conv'
 MEASURED_CONV = 'fedjax_ssl_measured_conv'  # conv_impl='measured': choices by core/conv_choice.py
+PALLAS_CONV = 'fedjax_ssl_pallas_conv'  # conv_impl='pallas': the Pallas kernel wherever it applies
 SHARED, STACKED, PACKED = 'shared', 'stacked', 'packed'
-IMPLS = ('grouped', 'loop', 'vmap')  # how a packed convolution is computed (`conv`)
+# How a packed convolution is computed (`conv`); 'pallas' (ops/pallas_conv.py) only for the
+# equations `pallas_applies` accepts, and a measured candidate only where it compiles natively.
+IMPLS = ('grouped', 'loop', 'vmap', 'pallas')
 
 # Elementwise primitives: equal operand shapes, output of that shape, so a packed operand layout
 # is an elementwise layout too.
@@ -259,6 +265,61 @@ def _conv_loop(eqn, vals, k, case):
   return _packed_out(jnp.concatenate(outs, axis=-1), k)
 
 
+_NHWC = (0, 3, 1, 2)  # an NHWC operand's (batch, feature, spatial...) axes in lax's spec order
+
+
+def pallas_applies(eqn, vals: List[Value], case: str) -> bool:
+  """True when ops/pallas_conv.py computes this packable equation: 2-D, NHWC activations, one
+  group per client, no kernel dilation in a 'feature' equation (forward: strides; input gradient:
+  lhs dilation, not both), stride-1 windows in a 'batch' one (kernel gradient: rhs dilation =
+  the forward's strides), a dtype of pallas_conv.DTYPES for both operands and the result."""
+  p = eqn.params
+  dn = p['dimension_numbers']
+  if (len(vals[0].shape) != 4 or jnp.dtype(vals[0].array.dtype).name not in pallas_conv.DTYPES
+      or vals[0].array.dtype != vals[1].array.dtype or p['feature_group_count'] != 1
+      or p['batch_group_count'] != 1 or tuple(dn.out_spec)[1] != 3
+      or p.get('preferred_element_type') not in (None, vals[0].array.dtype)):
+    return False  # (the kernel's output has its inputs' dtype)
+  if case == 'feature':
+    return (tuple(dn.lhs_spec) == _NHWC and tuple(p['rhs_dilation']) == (1, 1)
+            and (tuple(p['window_strides']) == (1, 1) or tuple(p['lhs_dilation']) == (1, 1)))
+  return (tuple(p['window_strides']) == (1, 1) and tuple(p['lhs_dilation']) == (1, 1)
+          and dn.lhs_spec[0] == 3 and dn.rhs_spec[0] == 3)
+
+
+def _conv_pallas(eqn, vals, k, case):
+  """The equation by ops/pallas_conv.py on the packed operands (groups = clients), its operands
+  and result moved to and from the kernel's NHWC / HWIO layout (for the equations of NHWC
+  programs, identities but for the kernel's)."""
+  p = eqn.params
+  dn = p['dimension_numbers']
+  lhs, rhs = vals
+  pads = tuple(tuple(q) for q in p['padding'])
+  if case == 'feature':
+    x = jnp.transpose(packed(lhs, k), (dn.lhs_spec[0], dn.lhs_spec[2], dn.lhs_spec[3], 3))
+    r = dn.rhs_spec  # each client's kernel to HWIO, the client axis before the output features
+    w = jnp.transpose(stacked(rhs, k), (r[2] + 1, r[3] + 1, r[1] + 1, 0, r[0] + 1))
+    w = w.reshape(w.shape[:3] + (k * w.shape[4],))
+    out = pallas_conv.conv_general(x, w, k, tuple(p['window_strides']), pads,
+                                   tuple(p['lhs_dilation']))
+    where = (dn.out_spec[0], dn.out_spec[2], dn.out_spec[3], dn.out_spec[1])
+  else:
+    x = jnp.transpose(packed(lhs, k), (dn.lhs_spec[1], dn.lhs_spec[2], dn.lhs_spec[3], 3))
+    g = jnp.transpose(packed(rhs, k), (dn.rhs_spec[1], dn.rhs_spec[2], dn.rhs_spec[3], 3))
+    sizes = [eqn.outvars[0].aval.shape[a] for a in dn.out_spec[2:]]
+    out = pallas_conv.weight_grad(x, g, k, tuple(p['rhs_dilation']), pads, tuple(sizes))
+    where = (dn.out_spec[2], dn.out_spec[3], dn.out_spec[0], dn.out_spec[1])
+  return _packed_out(jnp.transpose(out, tuple(int(a) for a in np.argsort(where))), k)
+
+
+def candidates(eqn, vals: List[Value], case: str) -> Tuple[str, ...]:
+  """The implementations `conv_impl='measured'` times for a packable equation: IMPLS, less
+  'pallas' where it does not apply or does not compile natively (pallas_conv.available(): a GPU;
+  elsewhere it would run interpreted, far slower, and must never be chosen)."""
+  ok = pallas_conv.available() and pallas_applies(eqn, vals, case)
+  return tuple(i for i in IMPLS if i != 'pallas' or ok)
+
+
 def _conv(eqn, vals, k):
   case = conv_case(eqn, vals)
   if case is None:
@@ -267,7 +328,13 @@ def _conv(eqn, vals, k):
   impl = choose(eqn, vals, k, case) if choose else 'grouped'
   if impl == 'vmap':
     return None
-  return [(_conv_grouped if impl == 'grouped' else _conv_loop)(eqn, vals, k, case)]
+  return [conv_impl_fn(impl)(eqn, vals, k, case)]
+
+
+def choose_pallas(eqn, vals: List[Value], k: int, case: str) -> str:
+  """conv_impl='pallas': the Pallas kernel for every equation it applies to, else 'grouped'."""
+  del k
+  return 'pallas' if pallas_applies(eqn, vals, case) else 'grouped'
 
 
 def conv_impl_fn(impl: str) -> Callable:
@@ -276,7 +343,7 @@ def conv_impl_fn(impl: str) -> Callable:
     raise ValueError(f'impl={impl!r}; allowed: {IMPLS}')
   if impl == 'vmap':
     return lambda eqn, vals, k, case: _fallback(eqn, vals, k)[0]
-  return _conv_grouped if impl == 'grouped' else _conv_loop
+  return {'grouped': _conv_grouped, 'loop': _conv_loop, 'pallas': _conv_pallas}[impl]
 
 
 _RULES = {'broadcast_in_dim': _broadcast_in_dim, 'reshape': _reshape, 'transpose': _transpose,
@@ -345,13 +412,16 @@ def vmap(fn: Callable, in_axes: Any = 0, *, choose: Optional[Callable] = None) -
         lambda *f: fn(*jax.tree_util.tree_unflatten(tree, f)), return_shape=True)(*one)
     out_tree = jax.tree_util.tree_structure(out_shape)
     measured = has_call(closed, MEASURED_CONV)
-    if not measured and not has_call(closed, PACKED_CONV):
+    pallas = not measured and has_call(closed, PALLAS_CONV)
+    if not measured and not pallas and not has_call(closed, PACKED_CONV):
       # jax.vmap of the jaxpr just traced, not of fn: fn is traced in Python once either way.
       outs = jax.vmap(jax_core.jaxpr_as_fun(closed), in_axes=list(axes), axis_size=k)(*flat)
       return jax.tree_util.tree_unflatten(out_tree, outs)
     if measured and choose is None:
       from fedjax_ssl.core import conv_choice  # pylint: disable=g-import-not-at-top (it imports this)
       chooser = conv_choice.choose
+    elif pallas and choose is None:
+      chooser = choose_pallas
     else:
       chooser = choose
     vals = [Value(x, STACKED if a == 0 else SHARED, o.shape) for x, a, o in zip(flat, axes, one)]

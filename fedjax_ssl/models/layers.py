@@ -10,10 +10,11 @@ flax `nn.Conv`) and 'bias' [cout] parameters, so parameters are interchangeable 
 im2col wins through the gradients; a program that is never differentiated (feature extraction)
 is faster with XLA's own convolution, which `inference_convs()` selects for 'auto'.
 
-'packed' and 'measured' are XLA's convolution per client, marked so that where the engine vmaps a
-local step over clients the whole step runs in the client-packed layout [N, H, W, K*C]
+'packed', 'measured' and 'pallas' are XLA's convolution per client, marked so that where the engine
+vmaps a local step over clients the whole step runs in the client-packed layout [N, H, W, K*C]
 (core/packing.py; 'measured': each convolution's implementation timed once, core/conv_choice.py;
-docs/notes/performance.md#perf-53).
+'pallas': every convolution it applies to by the Pallas kernel of ops/pallas_conv.py, GPU backends
+only; docs/notes/performance.md#perf-53, #perf-68).
 
 Precision: every layer takes `dtype`, the compute dtype of its matmul / convolution and output
 (None: the dtype of its input and parameters, i.e. float32, or float64 in the x64 tests).
@@ -39,10 +40,13 @@ import numpy as np
 
 from fedjax_ssl.ops.numerics import as_float  # noqa: F401  (the modules' output cast, layers.as_float)
 
-CONV_IMPLS = ('auto', 'xla', 'im2col', 'packed', 'measured')
+CONV_IMPLS = ('auto', 'xla', 'im2col', 'packed', 'measured', 'pallas')
 # Implementations that take effect where the local step is vmapped over clients (core/packing.py):
 # per client they are XLA's convolution.
-PACKED_IMPLS = ('packed', 'measured')
+PACKED_IMPLS = ('packed', 'measured', 'pallas')
+# The backends where conv_impl='pallas' compiles its kernel (Triton); elsewhere Pallas only
+# interprets, orders of magnitude slower (ops/pallas_conv.py).
+PALLAS_BACKENDS = ('gpu',)
 
 # config.precision -> compute dtype of convolutions, matmuls and activations. 'float32' is None, not
 # jnp.float32: no cast at all, so a float32 run computes bit for bit what it did before the key
@@ -108,17 +112,27 @@ def inference_convs() -> Iterator[None]:
 
 def resolve_conv_impl(conv_impl: str) -> str:
   """Maps `conv_impl` to 'xla', 'im2col' or 'packed'; 'auto' picks 'im2col' on the CPU backend,
-  else 'xla' (and 'xla' inside `inference_convs`); 'packed' and 'measured' give 'packed' (the
-  choice between them is made where the clients are vmapped, core/packing.py).
+  else 'xla' (and 'xla' inside `inference_convs`); 'packed', 'measured' and 'pallas' give 'packed'
+  (the choice between them is made where the clients are vmapped, core/packing.py); 'pallas' on
+  a backend outside PALLAS_BACKENDS raises.
 
   Resolved at trace time, so the same module definition is fast on CPU and uses cuDNN/TPU
   convolutions elsewhere.
   """
   if conv_impl not in CONV_IMPLS:
     raise ValueError(f'conv_impl={conv_impl!r}; allowed: {CONV_IMPLS}')
+  check_pallas_backend(conv_impl)
   if conv_impl == 'auto':
     return 'im2col' if jax.default_backend() == 'cpu' and not _INFERENCE.get() else 'xla'
   return 'packed' if conv_impl in PACKED_IMPLS else conv_impl
+
+
+def check_pallas_backend(conv_impl: str) -> None:
+  """Raises (one line) for conv_impl='pallas' on a backend whose Pallas kernels cannot compile."""
+  backend = jax.default_backend()
+  if conv_impl == 'pallas' and backend not in PALLAS_BACKENDS:
+    raise ValueError(f"conv_impl='pallas' needs a backend in {PALLAS_BACKENDS} (its Triton kernel); "
+                     f"this one is {backend!r}: use 'packed', 'measured', 'xla' or 'im2col'")
 
 
 def _pair(value: Union[int, Sequence[int]], name: str) -> Tuple[int, int]:
@@ -212,21 +226,27 @@ def fedjax_ssl_measured_conv(x, kernel, strides, pads):
   return xla_conv(x, kernel, strides, pads)
 
 
+def fedjax_ssl_pallas_conv(x, kernel, strides, pads):
+  return xla_conv(x, kernel, strides, pads)
+
+
 # The jits' names (the functions') mark a program for the client-packed vmap of core/packing.py
-# (its PACKED_CONV and MEASURED_CONV).
-_packed_conv = jax.jit(fedjax_ssl_packed_conv, static_argnums=(2, 3))
-_measured_conv = jax.jit(fedjax_ssl_measured_conv, static_argnums=(2, 3))
+# (its PACKED_CONV, MEASURED_CONV and PALLAS_CONV).
+_MARKED_CONVS = {impl: jax.jit(fn, static_argnums=(2, 3)) for impl, fn in (
+    ('packed', fedjax_ssl_packed_conv), ('measured', fedjax_ssl_measured_conv),
+    ('pallas', fedjax_ssl_pallas_conv))}
 
 
 def packed_conv(x: jax.Array, kernel: jax.Array, strides: Tuple[int, int],
-                pads: Tuple[Tuple[int, int], Tuple[int, int]], measured: bool = False
-                ) -> jax.Array:
-  """conv_impl='packed' ('measured' with `measured`): XLA's convolution [B, H, W, cin] x
-  [kh, kw, cin, cout] -> [B, Ho, Wo, cout] inside a jit named core.packing.PACKED_CONV
-  (MEASURED_CONV), so that a local step vmapped over clients (core/local.py) runs the program's
-  convolutions in the client-packed layout (each by its measured implementation)."""
-  fn = _measured_conv if measured else _packed_conv
-  return fn(x, kernel, tuple(strides), tuple(tuple(p) for p in pads))
+                pads: Tuple[Tuple[int, int], Tuple[int, int]], measured: bool = False,
+                conv_impl: Optional[str] = None) -> jax.Array:
+  """conv_impl='packed' ('measured' with `measured`, or conv_impl='measured' / 'pallas'): XLA's
+  convolution [B, H, W, cin] x [kh, kw, cin, cout] -> [B, Ho, Wo, cout] inside a jit named
+  core.packing.PACKED_CONV (MEASURED_CONV, PALLAS_CONV), so that a local step vmapped over
+  clients (core/local.py) runs the program's convolutions in the client-packed layout (each by
+  its measured implementation, or by the Pallas kernel)."""
+  impl = conv_impl or ('measured' if measured else 'packed')
+  return _MARKED_CONVS[impl](x, kernel, tuple(strides), tuple(tuple(p) for p in pads))
 
 
 @jax.custom_vjp
@@ -272,8 +292,8 @@ class Conv(nn.Module):
     kernel_init: initialiser of 'kernel' [kh, kw, cin, features]; PyTorch default.
     bias_init: initialiser of 'bias'; None = PyTorch default U(+-1/sqrt(kh*kw*cin)).
     conv_impl: 'auto' | 'xla' (lax.conv_general_dilated) | 'im2col' (slices + one matmul) |
-      'packed' / 'measured' (XLA's per client; stacked clients in the packed layout or the
-      measured choice per convolution, core/packing.py).
+      'packed' / 'measured' / 'pallas' (XLA's per client; stacked clients in the packed layout,
+      with the measured choice per convolution or the Pallas kernel, core/packing.py).
     dtype: compute dtype of the convolution and of the output (None: the input's and kernel's).
   Input [..., H, W, cin] float; output [..., Ho, Wo, features], float32 parameters.
   """
@@ -301,7 +321,7 @@ class Conv(nn.Module):
     if impl == 'xla':
       y = xla_conv(x4, kernel, strides, pads)
     elif impl == 'packed':
-      y = packed_conv(x4, kernel, strides, pads, measured=self.conv_impl == 'measured')
+      y = packed_conv(x4, kernel, strides, pads, conv_impl=self.conv_impl)
     else:
       y = im2col_conv(x4, kernel, strides, pads)
     if self.use_bias:

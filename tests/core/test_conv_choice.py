@@ -44,7 +44,8 @@ def test_measured_once_stored_reused_recorded(folder, monkeypatch):
   # small_cnn's two convolutions: forward and kernel gradient each, and conv2's input gradient.
   assert len(first) == 5
   for entry in first.values():
-    assert entry['source'] == 'measured' and set(entry['seconds']) == set(packing.IMPLS)
+    # On this CPU the Pallas kernel would run interpreted: never a candidate (PERF-68).
+    assert entry['source'] == 'measured' and set(entry['seconds']) == {'grouped', 'loop', 'vmap'}
     assert entry['impl'] == min(entry['seconds'], key=entry['seconds'].get)
   stored = json.loads((folder / conv_choice.FILE).read_text())
   assert {k: v['impl'] for k, v in stored.items()} == {k: v['impl'] for k, v in first.items()}
@@ -87,7 +88,7 @@ def test_a_damaged_file_is_one_line_before_compute(folder):
     _run('measured')
   path.write_text(json.dumps({'some conv': {'impl': 'winograd'}}))
   with pytest.raises(ValueError, match=rf"\A{path}: entry 'some conv' has impl='winograd'; allowed: "
-                                       r"\('grouped', 'loop', 'vmap'\) \(delete the file"):
+                                       r"\('grouped', 'loop', 'vmap', 'pallas'\) \(delete the file"):
     _run('measured')
   path.write_text('[1]')
   with pytest.raises(ValueError, match=r'holds list, not an object of choices'):
@@ -100,3 +101,39 @@ def test_an_unreadable_file_is_a_warning(folder, caplog):
     _run('measured')
   assert 'cannot be read' in caplog.text and 'cannot be written' in caplog.text
   assert {v['source'] for v in conv_choice.recorded().values()} == {'measured'}
+
+
+def test_pallas_is_a_candidate_only_where_it_compiles(monkeypatch):
+  """'pallas' is timed only on a GPU backend (pallas_conv.available) and for equations the kernel
+  computes; on this CPU it is never a candidate."""
+  enc = models.get_encoder('small_cnn', conv_features=(3, 4), dense_features=(6,), conv_impl='packed')
+  x = jnp.zeros((K, 2, 8, 8, 1))
+  variables = jax.vmap(lambda xx: enc.init(jax.random.PRNGKey(1), xx, train=True))(x)
+  seen = []
+
+  def spy(eqn, vals, k, case):
+    seen.append((eqn, vals, case))
+    return 'grouped'
+  step = lambda v, xx: jax.grad(lambda p: jnp.sum(enc.apply({**v, 'params': p}, xx, train=True)))(  # noqa: E731
+      v['params'])
+  jax.make_jaxpr(packing.vmap(step, choose=spy))(variables, x)
+  assert len(seen) == 5
+  assert {packing.candidates(*s) for s in seen} == {('grouped', 'loop', 'vmap')}
+  monkeypatch.setattr(packing.pallas_conv, 'available', lambda: True)
+  assert {packing.candidates(*s) for s in seen} == {packing.IMPLS}
+  eqn, vals, case = seen[0]
+  f64 = [packing.Value(np.zeros(v.array.shape, np.float64), v.form, v.shape) for v in vals]
+  assert 'pallas' not in packing.candidates(eqn, f64, case)  # float64: not a kernel dtype
+
+
+def test_a_stored_pallas_choice_is_measured_again_where_it_cannot_run(folder, caplog):
+  _run('measured')
+  path = folder / conv_choice.FILE
+  stored = json.loads(path.read_text())
+  path.write_text(json.dumps({k: {**v, 'impl': 'pallas'} for k, v in stored.items()}))
+  conv_choice.reset()
+  with caplog.at_level(logging.WARNING):
+    _run('measured')
+  assert caplog.text.count("'pallas' for ") == 5 and 'cannot run here' in caplog.text
+  assert {(v['source'], v['impl'] != 'pallas') for v in conv_choice.recorded().values()} == {
+      ('measured', True)}

@@ -178,6 +178,22 @@ def test_a_round_with_a_host_callback_is_traced_with_a_one_line_warning(tmp_path
   assert not _files(tmp_path)
 
 
+def test_a_round_with_pallas_kernels_can_be_exported():
+  """conv_impl='pallas' puts Triton custom calls in the round, which jax.export refuses unless
+  told (their format is not kept across jax versions; an export here is keyed by the version).
+  Exported for CUDA on this CPU: refused without DISABLED_CHECKS, exported with them."""
+  from fedjax_ssl.ops import pallas_conv  # pylint: disable=g-import-not-at-top
+  fn = jax.jit(lambda x, w: pallas_conv.conv(x, w, 2, (1, 1), ((1, 1), (1, 1)), False))
+  args = (jax.ShapeDtypeStruct((2, 4, 4, 32), jax.numpy.bfloat16),
+          jax.ShapeDtypeStruct((3, 3, 16, 32), jax.numpy.bfloat16))
+  with pytest.raises(ValueError, match=r'xla\.gpu\.triton'):
+    jax.export.export(fn, platforms=['cuda'])(*args)
+  exported = jax.export.export(fn, platforms=['cuda'],
+                               disabled_checks=export_cache.DISABLED_CHECKS)(*args)
+  assert '__gpu$xla.gpu.triton' in exported.mlir_module()
+  assert jax.export.deserialize(exported.serialize()).platforms == ('cuda',)
+
+
 @pytest.mark.parametrize('overrides', [
     {},  # FedAvg / SimCLR, MLP
     dict(algorithm='fedu2', ssl_method='byol', encoder='small_cnn', heads='fedu2'),

@@ -150,9 +150,9 @@ def test_a_program_without_packed_convolution_is_jax_vmap():
 
 def test_bad_input_is_one_line_before_compute():
   with pytest.raises(ValueError, match=r"^conv_impl='grouped'; allowed: \('auto', 'xla', 'im2col', "
-                                       r"'packed', 'measured'\)$"):
+                                       r"'packed', 'measured', 'pallas'\)$"):
     models.get_encoder('resnet18', conv_impl='grouped')
-  for impl in ('packed', 'measured'):
+  for impl in ('packed', 'measured', 'pallas'):
     with pytest.raises(ValueError, match=rf"^conv_impl='{impl}' lays out convolutions, and encoder "
                                          r"'mlp' has none; allowed for it: 'auto', 'xla', 'im2col'$"):
       models.get_encoder('mlp', conv_impl=impl)
@@ -189,3 +189,69 @@ def test_a_fedbyol_round_under_vmap_equals_the_default():
       states[impl] = rd.make_round_step(a, cfg, tre.NUM_CLIENTS, donate=False)(
           state, data, jax.random.PRNGKey(5))[0]
     tre._assert_tree_close(states['packed'], states['xla'], 'packed round')
+
+
+class _Strided(layers.nn.Module):
+  """ResNet-18's kinds of convolution in one small net: 3x3 stride 1 from a 3-channel input, 3x3
+  stride 2 (padding 1), 1x1 stride 2 without padding, 3x3 stride 2 'SAME' on an even input."""
+  conv_impl: str = 'packed'
+
+  @layers.nn.compact
+  def __call__(self, x, train=True):
+    del train
+    conv = lambda f, k, s, p: layers.Conv(f, k, s, padding=p, conv_impl=self.conv_impl)  # noqa: E731
+    x = jnp.tanh(conv(4, 3, 1, 1)(x))
+    y = jnp.tanh(conv(4, 3, 2, 1)(x))
+    z = conv(4, 1, 2, 0)(x)
+    return jnp.tanh(conv(4, 3, 2, 'SAME')(y + z))
+
+
+def test_pallas_equations_equal_the_grouped_ones(monkeypatch):
+  """conv_impl='pallas' (its backend check widened to this CPU, where it otherwise raises): the
+  packed evaluation sends every convolution equation (forward, input gradient with lhs dilation,
+  kernel gradient with rhs dilation) to ops/pallas_conv.py, interpreted here, and equals the
+  conv_impl='packed' program (grouped convolutions) in float32."""
+  monkeypatch.setattr(layers, 'PALLAS_BACKENDS', ('gpu', jax.default_backend()))
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 2, 8, 8, 3))
+  params = jax.vmap(lambda k: _Strided().init(k, x[0])['params'])(
+      jax.random.split(jax.random.PRNGKey(1), 2))
+  seen = []
+
+  def spy(eqn, vals, k, case, original=packing.choose_pallas):
+    seen.append((case, original(eqn, vals, k, case)))
+    return seen[-1][1]
+  monkeypatch.setattr(packing, 'choose_pallas', spy)
+
+  def run(conv_impl):
+    enc = _Strided(conv_impl=conv_impl)
+
+    def step(p, xx):
+      return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(enc.apply({'params': p}, xx) * 3.0)))(p)
+    return jax.jit(packing.vmap(step))(params, x)
+  got, want = run('pallas'), run('packed')
+  # 4 forward convolutions, 3 input gradients (not the first: x is not differentiated), 4 kernel
+  # gradients, every one by the kernel.
+  assert sorted(seen) == sorted([('feature', 'pallas')] * 7 + [('batch', 'pallas')] * 4)
+  assert layers.fedjax_ssl_pallas_conv.__name__ == packing.PALLAS_CONV
+  # float32, at most a few hundred terms per value: summation order only.
+  for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(a))))
+
+
+@pytest.mark.slow
+def test_the_resnet18_step_with_pallas_lowers_every_convolution_to_triton(monkeypatch):
+  """Without a GPU: ResNet-18's bfloat16 local step under conv_impl='pallas', vmapped over 2
+  clients, lowered for CUDA (the backend checks widened to this CPU so that the kernels are not
+  interpreted): every convolution equation is a Triton kernel and none is left to XLA. 20
+  forward, 20 kernel gradients, 19 input gradients (not the stem's): 13 stride-1 3x3 and 3 1x1
+  shortcuts one kernel each, 3 stride-2 3x3 four each (one per phase) = 68."""
+  monkeypatch.setattr(layers, 'PALLAS_BACKENDS', ('gpu', jax.default_backend()))
+  monkeypatch.setattr(packing.pallas_conv, 'available', lambda: True)
+  enc = models.get_encoder('resnet18', conv_impl='pallas', dtype=jnp.bfloat16)
+  x = jax.ShapeDtypeStruct((2, 4, 32, 32, 3), jnp.float32)
+  variables = jax.eval_shape(
+      jax.vmap(lambda xx: enc.init(jax.random.PRNGKey(1), xx, train=True)), x)
+  text = jax.jit(packing.vmap(_step(enc))).trace(variables, x).lower(
+      lowering_platforms=('cuda',)).as_text()
+  assert text.count('__gpu$xla.gpu.triton') == 68
+  assert 'stablehlo.convolution' not in text

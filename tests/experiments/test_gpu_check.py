@@ -79,9 +79,29 @@ def test_packed_part_times_packed_and_measured_and_brings_back_the_choices(tmp_p
   assert log.count(' -> ') >= 5  # every convolution's candidate times and choice
 
 
+@pytest.mark.slow
+def test_pallas_part_times_every_layer_under_every_impl(tmp_path):
+  """SMOKE: two tiny layers, the Pallas kernel interpreted (the GPU runs ResNet-18's 11 shapes)."""
+  env = dict(subprocess_env.binary_env(), SMOKE='1', OUT=str(tmp_path), PYTHON=sys.executable)
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'pallas'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == [
+      'check_pallas.log', 'env_pallas.json', 'pallas_layers_bf16.json',
+      'pallas_layers_bf16_t128.json']
+  for name, impls, tiles in (('bf16', {'pallas', 'grouped', 'vmap'}, [64, 64, 32]),
+                             ('bf16_t128', {'pallas'}, [128, 128, 32])):
+    info, *rows = json.loads((tmp_path / f'pallas_layers_{name}.json').read_text())
+    assert info['clients'] == 3 and len(rows) == 2
+    assert [info['tiles'][t] for t in 'MNK'] == tiles
+    assert all(set(r['seconds']) == impls for r in rows)
+  log = (tmp_path / 'check_pallas.log').read_text()
+  assert '=== layers_bf16: exit 0' in log and '=== layers_t128: exit 0' in log
+
+
 def test_unknown_part_is_one_error_line(tmp_path):
   out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'all'], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
   assert out.stderr.strip() == (
-      "error: part = 'all' is invalid: must be core, conv, packed, extra, auto or export")
+      "error: part = 'all' is invalid: must be core, conv, packed, pallas, extra, auto or export")

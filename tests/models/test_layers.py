@@ -153,6 +153,11 @@ def test_conv_impl_resolution_and_errors():
   x = jnp.zeros((1, 5, 5, 2))
   with pytest.raises(ValueError, match='conv_impl'):
     layers.Conv(3, 3, conv_impl='cudnn').init(jax.random.key(0), x)
+  if jax.default_backend() != 'gpu':  # the Pallas kernel compiles on a GPU only: one line, at trace
+    with pytest.raises(ValueError, match=r"(?m)\Aconv_impl='pallas' needs a backend in \('gpu',\) \(its "
+                                         rf"Triton kernel\); this one is '{jax.default_backend()}': "
+                                         r"use 'packed', 'measured', 'xla' or 'im2col'$"):
+      layers.Conv(3, 3, conv_impl='pallas').init(jax.random.key(0), x)
   with pytest.raises(ValueError, match='padding'):
     layers.Conv(3, 3, padding='CIRCULAR').init(jax.random.key(0), x)
   with pytest.raises(ValueError, match='negative'):
