@@ -15,10 +15,10 @@ from experiments.benchmark import settings
 from fedjax_ssl import config_validation as cv
 from tests import subprocess_env
 
-# (batch, H, W, cin, cout, k, pads): the layers' 3x3 / padding 1, a 5x5 VALID one (LeNet,
-# hetero_cnn), asymmetric padding, a 1x1 kernel and a non-square input; batch 16 for chunk16.
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
+# (batch, H, W, cin, cout, k, pads): the layers' 3x3 / padding 1, a 5x5 VALID one (LeNet,
+# hetero_cnn), asymmetric padding, a 1x1 kernel and a non-square input; batch 16 for chunk16.
 CASES = [
     (16, 8, 8, 3, 5, 3, ((1, 1), (1, 1))),
     (16, 9, 7, 4, 6, 5, ((0, 0), (0, 0))),
