@@ -1,6 +1,6 @@
 """The runner: config -> data -> algorithm (from the registry) -> round step -> evaluation.
 
-The binaries (`experiments/train.py`, `experiments/benchmark.py`, ...) and research code share it:
+The binaries (`experiments/train.py`, `experiments/benchmark/`, ...) and research code share it:
 
   config = experiment.default_config(); config.update(...)
   experiment.validate_config(config)                 # every error before any compute
