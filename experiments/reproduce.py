@@ -34,16 +34,15 @@ import jax  # noqa: E402
 import tqdm  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import configuration, experiment, files, training  # noqa: E402
-from fedjax_ssl import logging_utils  # noqa: E402
-from fedjax_ssl import reproduce  # noqa: E402
+from fedjax_ssl import configuration, experiment, files, tables  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
-from fedjax_ssl.run_dir import RunDir  # noqa: E402
+from fedjax_ssl.runs import logging_utils, shared_references, training  # noqa: E402
+from fedjax_ssl.runs.run_dir import RunDir  # noqa: E402
 
 _TABLE = flags.DEFINE_string('table', None, 'Table file (configs/<paper>/<table>.py).')
 _OUT = flags.DEFINE_string('out', None, 'Output directory (runs/ and table.{csv,md,png}).')
 _SEEDS = flags.DEFINE_list('seeds', ['0', '1', '2'], 'Comma-separated integer seeds.')
-_SCALE = flags.DEFINE_enum('scale', 'quick', list(reproduce.SCALES),
+_SCALE = flags.DEFINE_enum('scale', 'quick', list(tables.SCALES),
                            'quick: a smoke-sized grid on a 2-core CPU; evidence: the CPU budget at which the '
                            'methods learn (tables that define it); paper: the paper.')
 _ONLY = flags.DEFINE_multi_string('only', [], 'Cell names or fnmatch patterns to run (repeatable).')
@@ -127,20 +126,21 @@ def _write_error(rundir: RunDir, exc: BaseException) -> None:
 
 
 # Under OUT, when the binaries' cache folder is off ($FEDJAX_SSL_CACHE_DIR=''): the reference rows
-# shared by the runs that read the same pixels (else CACHE_DIR/references, training.REFERENCES).
+# shared by the runs that read the same pixels (else CACHE_DIR/references,
+# shared_references.REFERENCES).
 REFERENCES = 'references'
 
 
 def _reference_cache(out: pathlib.Path) -> str:
   """The folder where the table's runs share their reference evaluations."""
   cache_dir = compilation.resolve_cache_dir(None)
-  return str(cache_dir / training.REFERENCES if cache_dir is not None else out / REFERENCES)
+  return str(cache_dir / shared_references.REFERENCES if cache_dir is not None else out / REFERENCES)
 
 
 def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
               command: str = '', overrides=None, smoke: bool = False) -> list:
   """Runs what is missing of the table and writes its outputs; returns the summary rows.
-  `overrides` (config key -> value) apply to every cell (`reproduce.with_overrides`). `smoke` runs
+  `overrides` (config key -> value) apply to every cell (`tables.with_overrides`). `smoke` runs
   only the first valid run of the plan, its config shrunk by `configuration.smoke`."""
   # Imported here, after flag parsing: the training binary's module defines its own required flags.
   out = pathlib.Path(out)
@@ -149,21 +149,21 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
   # each run routes its own logs to its workdir's train.log.
   with logging_utils.RunLog() as log:
     log.open(str(out / 'reproduce.log'))
-    table = reproduce.with_overrides(reproduce.load_table(table_path, scale), overrides or {})
-    runs = reproduce.plan_runs(table, seeds, only)
+    table = tables.with_overrides(tables.load_table(table_path, scale), overrides or {})
+    runs = tables.plan_runs(table, seeds, only)
     if smoke:
       runs = [dataclasses.replace(r, config=configuration.smoke(r.config))
               for r in runs if r.config is not None][:1]
     # The outputs summarise every run of the table under OUT, and keep the earlier table.csv's
     # entries of cells with no run here (read once: each write below replaces the file).
-    summarised = reproduce.table_runs(table, runs, out)
-    previous = reproduce.read_csv(out / 'table.csv')
+    summarised = tables.table_runs(table, runs, out)
+    previous = tables.read_csv(out / 'table.csv')
     shown_seeds = sorted({r.seed for r in summarised} |
                          {s for e in previous for s in e['seeds']})
 
   def write():
-    summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
-    reproduce.write_outputs(table, summary, out, shown_seeds, command)
+    summary = tables.carry_over(table, tables.summarize(table, summarised, out), previous)
+    tables.write_outputs(table, summary, out, shown_seeds, command)
     return summary
   # The seeds of a cell compile the same programs, and 'auto' measures each program once: the
   # binaries' cache folder ($FEDJAX_SSL_CACHE_DIR, else ~/.cache/fedjax_ssl; core/compilation.py).
@@ -173,7 +173,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     autotune.check_environment()
   except ValueError as e:
     raise cv.ConfigError(str(e)) from None
-  todo = [r for r in runs if reproduce.run_status(r, out)[0] in ('missing', 'failed')
+  todo = [r for r in runs if tables.run_status(r, out)[0] in ('missing', 'failed')
           and r.config is not None]
   grid = tqdm.tqdm(total=len(runs), initial=len(runs) - len(todo), desc=table.name, position=0,
                    dynamic_ncols=True)
@@ -192,7 +192,7 @@ def run_table(table_path: str, out: str, seeds, scale: str = 'quick', only=(),
     write()
   grid.close()
   summary = write()
-  reproduce.plot_curves(table, reproduce.curves(table, summarised, out), out / 'curves.png')
+  tables.plot_curves(table, tables.curves(table, summarised, out), out / 'curves.png')
   return summary
 
 
@@ -202,8 +202,8 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
   it first pairs the seeds of the cells table.csv carries without per-seed references (a csv written
   before those columns existed) with their references, and rewrites the table; returns the
   summary rows. Each (cell, seed) gets the random-init and raw-pixel evaluations its run recorded
-  at round 0 (`training.reference_evaluations`: the cell's config at that seed, nothing trained);
-  `reproduce.fill_references` takes them only where they reproduce the stored means, and the
+  at round 0 (`shared_references.reference_evaluations`: the cell's config at that seed, nothing trained);
+  `tables.fill_references` takes them only where they reproduce the stored means, and the
   cells it leaves unpaired are printed with their gaps."""
   out = pathlib.Path(out)
   if not (out / 'table.csv').exists():
@@ -211,36 +211,36 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
                          'is carried): run the table first')
   with logging_utils.RunLog() as log:
     log.open(str(out / 'reproduce.log'))
-    table = reproduce.with_overrides(reproduce.load_table(table_path, scale), overrides or {})
-    previous = reproduce.read_csv(out / 'table.csv')
-    summarised = reproduce.table_runs(table, [], out)
+    table = tables.with_overrides(tables.load_table(table_path, scale), overrides or {})
+    previous = tables.read_csv(out / 'table.csv')
+    summarised = tables.table_runs(table, [], out)
     backfilled = 0
     if references:  # finished runs recorded before their raw-pixel reference existed
       for run in summarised:
-        if reproduce.run_status(run, out)[0] == 'done' and run.config is not None:
-          backfilled += training.add_raw_pixel_reference(
+        if tables.run_status(run, out)[0] == 'done' and run.config is not None:
+          backfilled += shared_references.add_raw_pixel_reference(
               run.config, RunDir(run.workdir(out)), _reference_cache(out)) is not None
-    summary = reproduce.carry_over(table, reproduce.summarize(table, summarised, out), previous)
-    todo = reproduce.without_references(summary) if references else {}
+    summary = tables.carry_over(table, tables.summarize(table, summarised, out), previous)
+    todo = tables.without_references(summary) if references else {}
     runs = {}
     seeds = sorted({s for ss in todo.values() for s in ss})
-    for run in reproduce.plan_runs(table, seeds, sorted(todo)):
+    for run in tables.plan_runs(table, seeds, sorted(todo)):
       for row, column in run.cells:
-        runs[(reproduce.cell_id(row, column), run.seed)] = run
+        runs[(tables.cell_id(row, column), run.seed)] = run
     pairs = [(cell, s) for cell, ss in todo.items() for s in ss]
     references, memo = {}, {}
     for cell, seed in tqdm.tqdm(pairs, desc=f'{table.name} references', dynamic_ncols=True):
       run = runs[(cell, seed)]
       if run.config is None:
         raise cv.ConfigError(f'cell {cell!r} at seed {seed}: {run.config_error}')
-      references[(cell, seed)] = training.reference_evaluations(run.config, _reference_cache(out),
+      references[(cell, seed)] = shared_references.reference_evaluations(run.config, _reference_cache(out),
                                                              memo)
-    problems = reproduce.fill_references(summary, references)
+    problems = tables.fill_references(summary, references)
     shown_seeds = sorted({s for e in summary for s in e['seeds']})
     # table.md keeps the command that produced its values, when it names one.
     found = re.search(r'^Command: `(.*)`$', (out / 'table.md').read_text(), re.M) if (
         out / 'table.md').exists() else None
-    reproduce.write_outputs(table, summary, out, shown_seeds, found.group(1) if found else command)
+    tables.write_outputs(table, summary, out, shown_seeds, found.group(1) if found else command)
   print(f'{len(todo)} cells, {len(pairs)} (cell, seed) references, {len(memo)} distinct '
         f'random-init evaluations; raw-pixel reference added to {backfilled} finished runs')
   for line in problems:
@@ -255,10 +255,10 @@ def main(argv):
   overrides = _OVERRIDES
   if _LIST.value:
     with logging_utils.RunLog():  # library INFO lines are dropped: this only prints the plan
-      table = reproduce.with_overrides(reproduce.load_table(_TABLE.value, _SCALE.value), overrides)
-      runs = reproduce.plan_runs(table, seeds, _ONLY.value)
+      table = tables.with_overrides(tables.load_table(_TABLE.value, _SCALE.value), overrides)
+      runs = tables.plan_runs(table, seeds, _ONLY.value)
     for run in runs:
-      cells = ', '.join(reproduce.cell_id(*c) for c in run.cells)
+      cells = ', '.join(tables.cell_id(*c) for c in run.cells)
       print(f'{run.name:40s} cells: {cells}' + (f'  INVALID: {run.config_error}'
                                                 if run.config_error else ''))
     return
@@ -272,8 +272,8 @@ def main(argv):
   summary = run_table(_TABLE.value, _OUT.value, seeds, _SCALE.value, _ONLY.value, command,
                       overrides, smoke=smoke)
   if smoke:  # one shrunk run: the table's other cells and metrics are absent, not failed
-    table = reproduce.with_overrides(reproduce.load_table(_TABLE.value, _SCALE.value), overrides)
-    runs = [r for r in reproduce.plan_runs(table, seeds, _ONLY.value) if r.config is not None][:1]
+    table = tables.with_overrides(tables.load_table(_TABLE.value, _SCALE.value), overrides)
+    runs = [r for r in tables.plan_runs(table, seeds, _ONLY.value) if r.config is not None][:1]
     rundir = RunDir(runs[0].workdir(pathlib.Path(_OUT.value))) if runs else None
     failed = rundir is None or rundir.error_file.exists()
     print(f'smoke run ({configuration.SMOKE_ENV}=1): ' + (

@@ -29,7 +29,8 @@ from ml_collections import config_flags  # noqa: E402
 import os  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
-from fedjax_ssl import configuration, experiment, run_guard, run_identity, training  # noqa: E402
+from fedjax_ssl import configuration, experiment, run_identity  # noqa: E402
+from fedjax_ssl.runs import run_guard, training  # noqa: E402
 from fedjax_ssl.core import autotune, compilation  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
