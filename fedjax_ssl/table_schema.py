@@ -16,6 +16,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment, run_identity
+from fedjax_ssl.eval import per_client
 from fedjax_ssl.run_dir import RunDir
 
 SCALES = ('quick', 'evidence', 'paper')
@@ -40,6 +41,8 @@ METRICS = {
     # config.finetune (eval/finetune.py): encoder + linear head fine-tuned on a stratified subset.
     'ft_acc_1pct': 'fine-tuned, 1% of the labels (%)',
     'ft_acc_10pct': 'fine-tuned, 10% of the labels (%)',
+    # config.per_client_eval (eval/per_client.py): the spread over clients, '<score>_<model>_<data>_<stat>'.
+    **per_client.metric_names(),
 }
 
 

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import configuration
+from fedjax_ssl.eval import per_client
 from fedjax_ssl.table_schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
                                      cell_id, cohort_metric, metric_name, run_status)
 
@@ -183,6 +184,8 @@ def at_chance_values(entry: Dict[str, Any], num_classes: int) -> Dict[int, str]:
   metric alone (a fine-tune diverged at 1 % of the labels, a kNN vote of one class), and a mean
   over it and learning seeds would describe neither. A failed reference takes its seed's trained
   value out with it, so that a row and its reference stay paired over the same seeds."""
+  if per_client.parse_key(entry['metric']):  # a spread over clients (a std, a worst tail) is no
+    return {}                                # failed evaluation when it is low
   chance = 100.0 / num_classes
   name = metric_name(entry['metric'])
   split = cohort_metric(entry['metric'])

@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedjax_ssl import (algorithms, checkpoint, configuration, experiment, files, logging_utils, plotting,
-                        run_guard)
+from fedjax_ssl import (algorithms, checkpoint, configuration, evaluation, experiment, files,
+                        logging_utils, plotting, run_guard)
 from fedjax_ssl.run_dir import RunDir
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.core import compilation, rng, strategies
@@ -215,6 +215,7 @@ class Run:
   per_participant: Any
   changes: dict
   host: Any
+  client_splits: Any = None  # per_client_eval: each client's held-out test rows (evaluation.py)
   _init_fn: Any = None  # the compiled `algo.init` (rd.compiled_init) on first use; False: eager
 
   def say(self, message: str) -> None:
@@ -290,6 +291,10 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: boo
   fed_data, info = experiment.build_fed_data(config, dataset)
   logging_utils.say(_data_summary(config, dataset) + '\n' +
                     partition.format_histogram(info['histogram']), echo=verbose)
+  # --- per-client results (issue 69): the splits, refused before any compute when too small ---
+  splits = (evaluation.client_test_splits(config, dataset, fed_data) if config.per_client_eval
+            else None)
+  # --- end per-client results ---
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
   if plan is not None:
@@ -298,7 +303,8 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *, verbose: boo
   run = Run(config=config, rundir=rundir, primary=primary, verbose=verbose, dataset=dataset,
             fed_data=strategies.replicate(fed_data), algo=algo, plan=plan,
             round_cfg=experiment.round_config(config), init_key=init_key, run_key=run_key,
-            choice=None, round_step=None, per_participant=None, changes=changes, host=None)
+            choice=None, round_step=None, per_participant=None, changes=changes, host=None,
+            client_splits=splits)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
   # the one it started with, since strategies agree only to float rounding.
   stored_strategy = _stored_strategy(rundir, ckpt, config.map_chunk_size)
@@ -521,6 +527,13 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
     final = experiment.evaluate(config, algo, _local(outcome.state), run.dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(outcome.state))
+  # --- per-client results (issue 69): the list for results.json, the spread into `final` ---
+  per_client = None
+  if config.per_client_eval:
+    per_client, spread = evaluation.per_client_results(
+        config, algo, _local(outcome.state), run.dataset, run.fed_data, run.client_splits)
+    final.update(spread)
+  # --- end per-client results ---
   outcome.writer.close()
   results = _results('completed', config, algo, random_init, raw_pixels, rundir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
@@ -531,6 +544,8 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   final.update(best_over_rounds(records, 'knn_acc'))
   results['communication'] = _communication(algo, config, run.per_participant, records)
   results['strategy'] = _strategy_record(run)
+  if per_client is not None:  # per-client results (issue 69)
+    results['per_client'] = per_client
   if outcome.compile_times is not None:
     results['first_round'] = dict(
         outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),
