@@ -214,7 +214,11 @@ def load_table(path: str, scale: str) -> Table:
 def with_overrides(table: Table, overrides: Mapping[str, Any]) -> Table:
   """`table` with `overrides` (config key -> value, e.g. {'rounds': 40, 'fedu2.lambda_u': 0.0})
   applied to every cell, after the table's own settings."""
-  return dataclasses.replace(table, overrides={**table.overrides, **overrides})
+  table = dataclasses.replace(table, overrides={**table.overrides, **overrides})
+  if overrides.get('per_client_eval'):  # per-client results (issue 69): their spread columns
+    table = dataclasses.replace(table, metrics=table.metrics + tuple(
+        m for m in per_client.table_metrics(per_client.SCORES) if m not in table.metrics))
+  return table
 
 
 def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:

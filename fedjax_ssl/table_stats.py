@@ -50,6 +50,8 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
         elif status == 'done':
           key = run_metric(metric, payload, run.config)
           if key not in payload['final']:
+            if per_client.parse_key(metric):  # per-client: a run has only the models it keeps
+              continue
             # A per-architecture metric exists only for runs with cohorts and for runs of that one
             # architecture; a run with cohorts but without it has a misspelled cohort name.
             if cohort_metric(metric) is None or 'cohorts' in payload:
@@ -61,8 +63,8 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')
-      if cohort_metric(metric) and not values and not errors and not diverged and all(
-          status == 'done' for _, status, _ in entries):
+      if ((cohort_metric(metric) or per_client.parse_key(metric)) and not values and not errors
+          and not diverged and all(status == 'done' for _, status, _ in entries)):
         continue
       paper = table.paper.get((row, column, metric))
       mean = float(np.mean(values)) if values else float('nan')

@@ -224,13 +224,14 @@ def carve_public(labels, size: int, seed: int, *, stratified: bool = False
 
 
 def apportion_rows(weights: np.ndarray, total: int) -> np.ndarray:
-  """int64 [C]: `total` items split in proportion to weights [C] (>= 0, positive sum): floor of
-  each share plus one more for the largest remainders (ties to the lower index), so the counts sum
-  to `total` and a zero weight gets nothing."""
-  raw = np.asarray(weights, np.float64) / np.sum(weights) * total
-  counts = np.floor(raw).astype(np.int64)
-  short = int(total - counts.sum())
-  counts[np.argsort(-(raw - counts), kind='stable')[:short]] += 1
+  """int64 [C]: `total` items split in proportion to integer weights [C] (>= 0, positive sum):
+  floor of each share plus one more for the largest remainders (ties to the lower index), so the
+  counts sum to `total` and a zero weight gets nothing. Integer arithmetic, so equal remainders
+  are exact ties (float shares would break them by rounding)."""
+  num = int(total) * np.asarray(weights, np.int64)
+  whole = int(np.sum(weights))
+  counts, rem = num // whole, num % whole
+  counts[np.argsort(-rem, kind='stable')[:int(total - counts.sum())]] += 1
   return counts
 
 
@@ -246,15 +247,16 @@ def held_out_splits(test_labels, class_weights, *, seed: int) -> List[np.ndarray
 
   Args:
     test_labels: int [M] labels of the test split, in [0, K).
-    class_weights: [C, K] >= 0, the clients' training class histogram (`class_histogram`).
+    class_weights: int [C, K] >= 0, the clients' training class histogram (`class_histogram`).
     seed: the run's seed.
   Returns:
     C sorted int64 index arrays into the test split, pairwise disjoint.
   """
   labels = _as_labels(test_labels)
-  weights = np.asarray(class_weights, np.float64)
-  if weights.ndim != 2 or not np.all(np.isfinite(weights)) or np.any(weights < 0):
-    raise ValueError(f'class_weights must be a finite [C, K] array >= 0, got shape '
+  weights = np.asarray(class_weights)
+  if (weights.ndim != 2 or not np.issubdtype(weights.dtype, np.integer)
+      or np.any(weights < 0)):
+    raise ValueError(f'class_weights must be an integer [C, K] array >= 0, got {weights.dtype} '
                      f'{weights.shape}')
   if labels.size and labels.max() >= weights.shape[1]:
     raise ValueError(f'test labels reach {labels.max()} but class_weights has only '

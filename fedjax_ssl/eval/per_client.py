@@ -138,14 +138,14 @@ def markdown_lines(metrics: Sequence[str], rows: Sequence[str], columns: Sequenc
            '#eval-25).']
   for score, model, data in groups:
     keys = [metric_key(score, model, data, stat) for stat in STATS]
+    cells = [(r, c) for r in rows for c in columns if any((r, c, k) in by_key for k in keys)]
+    if not cells:
+      continue
     lines += ['', f'### {_SCORE_NAMES[score]}: {_MODEL_NAMES[model]} on {_DATA_NAMES[data]}', '',
               '| | ' + ' | '.join(_STAT_NAMES[s] for s in STATS) + ' |',
               '|---|' + '---|' * len(STATS)]
-    for r in rows:
-      for c in columns:
-        if not any((r, c, k) in by_key for k in keys):
-          continue
-        label = r if len(columns) == 1 else f'{r}, {c}'
-        lines.append(f'| {label} | ' + ' | '.join(
-            cell(by_key[(r, c, k)]) if (r, c, k) in by_key else '–' for k in keys) + ' |')
+    for r, c in cells:
+      label = r if len(columns) == 1 else f'{r}, {c}'
+      lines.append(f'| {label} | ' + ' | '.join(
+          cell(by_key[(r, c, k)]) if (r, c, k) in by_key else '–' for k in keys) + ' |')
   return lines
