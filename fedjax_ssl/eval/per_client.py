@@ -123,7 +123,9 @@ def markdown_lines(metrics: Sequence[str], rows: Sequence[str], columns: Sequenc
   """The per-client section of a table.md: one grid per (score, model, data) of `metrics` with a
   row per (table row, column) cell and the columns mean, std, worst-10 % and best-10 % over clients
   (each cell formatted by `cell` from the table's summary entry by_key[(row, column, metric)], its
-  mean ± std over seeds). [] when `metrics` has no per-client metric."""
+  mean ± std over seeds). A grid no run has a value in yet is left out, and so is a cell that has
+  values in other grids only (a run of FedAvg has no own models). [] when `metrics` has no
+  per-client metric."""
   groups: Dict[Tuple[str, str, str], None] = {}
   for metric in metrics:
     parsed = parse_key(metric)
@@ -131,6 +133,9 @@ def markdown_lines(metrics: Sequence[str], rows: Sequence[str], columns: Sequenc
       groups[parsed[:3]] = None
   if not groups:
     return []
+  # Cells with a per-client value somewhere: a grid of a model they lack leaves them out; a cell
+  # with none yet (every seed pending or failed) is shown in every grid, with its mark.
+  scored = {(r, c) for (r, c, m), e in by_key.items() if parse_key(m) and e.get('n')}
   lines = ['', '## Per-client results', '',
            'Each client scored on its own held-out split of the test set (drawn like its training '
            'partition) and on the whole test set; mean, std, worst-10 % and best-10 % over the '
@@ -138,9 +143,11 @@ def markdown_lines(metrics: Sequence[str], rows: Sequence[str], columns: Sequenc
            '#eval-25).']
   for score, model, data in groups:
     keys = [metric_key(score, model, data, stat) for stat in STATS]
-    cells = [(r, c) for r in rows for c in columns if any((r, c, k) in by_key for k in keys)]
-    if not cells:
-      continue
+    cells = [(r, c) for r in rows for c in columns
+             if any(by_key.get((r, c, k), {}).get('n') for k in keys)
+             or ((r, c) not in scored and any((r, c, k) in by_key for k in keys))]
+    if not any(by_key.get((r, c, k), {}).get('n') for r, c in cells for k in keys):
+      continue  # no run reports this model and score (yet)
     lines += ['', f'### {_SCORE_NAMES[score]}: {_MODEL_NAMES[model]} on {_DATA_NAMES[data]}', '',
               '| | ' + ' | '.join(_STAT_NAMES[s] for s in STATS) + ' |',
               '|---|' + '---|' * len(STATS)]

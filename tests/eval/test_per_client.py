@@ -80,7 +80,7 @@ def test_metric_names_parse_back_and_summary_skips_missing_models():
 
 def test_markdown_section_has_one_grid_per_reported_model():
   metrics = per_client.table_metrics(('knn_acc',), models=('own', 'global'), data=('split',))
-  entry = lambda v: {'mean': v}
+  entry = lambda v: {'mean': v, 'n': 1}
   by_key = {('IL', 'N=10', k): entry(i) for i, k in enumerate(metrics[:4])}   # own only
   lines = per_client.markdown_lines(metrics, ['IL', 'FL'], ['N=10'], by_key,
                                     lambda e: f"{e['mean']:.1f}")
