@@ -156,6 +156,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.finetune = 'none'
   c.finetune_fractions = (0.01, 0.1)
   c.finetune_epochs = 0
+  # Per-client results (docs/notes/evaluation.md#eval-25): after the last round, each client's own
+  # model (where it keeps one) and the global model (where there is one) scored on the client's
+  # held-out split of the test set and on the whole test set: results.json's 'per_client' list and
+  # the spread over clients ('<score>_<model>_<data>_<stat>', eval/per_client.py).
+  c.per_client_eval = False
   c.checkpoint_every = 10
   for kind, registered, block in (('algorithm', algorithms.names(), algorithms.get),
                                   ('objective', ssl.names(), ssl.get)):
@@ -165,6 +170,20 @@ def default_config() -> ml_collections.ConfigDict:
                          'block; register it under another name')
       c[name] = block(name).defaults()
   return c
+
+
+def _check_per_client_eval(config: ml_collections.ConfigDict) -> None:
+  """config.per_client_eval is a bool and has a score to report: the kNN (knn_k > 0) or a
+  supervised objective's classifier. The clients' split sizes are checked once the data is
+  partitioned (`evaluation.client_test_splits`)."""
+  if not isinstance(config.per_client_eval, bool):
+    raise cv.ConfigError(f'config.per_client_eval = {config.per_client_eval!r} is invalid: must be '
+                         'True or False')
+  if (config.per_client_eval and config.knn_k == 0
+      and not ssl.get(config.ssl_method).classifier):
+    raise cv.ConfigError(f'config.per_client_eval = True with config.knn_k = 0 is invalid for '
+                         f'ssl_method {config.ssl_method!r}: the per-client score is the kNN '
+                         '(knn_k > 0) or a supervised classifier\'s accuracy')
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -258,6 +277,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     raise cv.ConfigError(f'config.knn_k = 0 with probe_epochs = 0 and probe_std_epochs = 0 is '
                          f'invalid for ssl_method {config.ssl_method!r}: the run would report no '
                          'accuracy; keep the kNN monitor (knn_k > 0) or a probe')
+  _check_per_client_eval(config)
   cv.check_float_range('sc_mu', config.sc_mu, 0.0, None)
   if not config.drop_last and not ssl.get(config.ssl_method).ragged_batches:
     raise cv.ConfigError(f'config.drop_last = False is invalid with ssl_method '

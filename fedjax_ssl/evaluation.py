@@ -22,11 +22,12 @@ from fedjax_ssl.algorithms import ssl_client
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.core.state import FedState
-from fedjax_ssl.data import augment
-from fedjax_ssl.data.types import Dataset
+from fedjax_ssl.data import augment, partition
+from fedjax_ssl.data.types import Dataset, FedData
 from fedjax_ssl.eval import features as fs_features
 from fedjax_ssl.eval import finetune as fs_finetune
 from fedjax_ssl.eval import knn as fs_knn
+from fedjax_ssl.eval import per_client as fs_per_client
 from fedjax_ssl.eval import probe as fs_probe
 from fedjax_ssl.eval import protocol as fs_protocol
 
@@ -322,3 +323,155 @@ def evaluation_key(config: ml_collections.ConfigDict, algo: Algorithm, state: Fe
     h.update(f'{a.dtype.name}{a.shape}'.encode())
     h.update(a.tobytes())  # not a memoryview: bfloat16 arrays have no buffer format
   return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-client results (config.per_client_eval): the design and its cost are
+# docs/notes/evaluation.md#eval-25; the primitives are eval/per_client.py.
+# ------------------------------------------------------------------------------------------------
+# A client's held-out split needs this many test images: an accuracy over fewer moves by more than
+# 10 points per image.
+MIN_CLIENT_TEST = 10
+_BANK_BATCH = 256   # feature batch of a client's own images (small clients pad less than 1000)
+
+
+def client_histogram(fed_data: FedData, num_classes: int) -> np.ndarray:
+  """int64 [C, K]: each client's training class counts, read from its rows of `fed_data`."""
+  y = np.asarray(fed_data.y)
+  return np.stack([np.bincount(y[o:o + n], minlength=num_classes)
+                   for o, n in zip(np.asarray(fed_data.offsets), np.asarray(fed_data.n))])
+
+
+def client_test_splits(config: ml_collections.ConfigDict, dataset: Dataset,
+                       fed_data: FedData) -> List[np.ndarray]:
+  """Each client's held-out split of the test set (`partition.held_out_splits`: the test images of
+  every class shared out like the client's training images, drawn from config.seed), refused in one
+  line (cv.ConfigError) when a client gets fewer than MIN_CLIENT_TEST images or the clients' images
+  have no labels. Cheap (numpy over the labels): called before training.
+
+  Returns:
+    C sorted int64 index arrays into dataset.test_x, pairwise disjoint.
+  """
+  if dataset.unlabeled_x is not None:
+    raise cv.ConfigError(f'config.per_client_eval = True is invalid for {dataset.name}: its clients '
+                         'train on unlabelled images, so no client has labels to score with')
+  hist = client_histogram(fed_data, dataset.num_classes)
+  splits = partition.held_out_splits(dataset.test_y, hist, seed=config.seed)
+  sizes = np.array([s.size for s in splits])
+  small = np.flatnonzero(sizes < MIN_CLIENT_TEST)
+  if small.size:
+    c = int(small[np.argmin(sizes[small])])
+    raise cv.ConfigError(
+        f'config.per_client_eval = True is invalid here: client {c} (trains on {hist[c].sum()} '
+        f'images) gets {sizes[c]} held-out test images, fewer than the minimum of '
+        f'{MIN_CLIENT_TEST} ({small.size} of {sizes.size} clients are below it); use fewer '
+        'clients, a larger test split, or per_client_eval = False')
+  return splits
+
+
+def client_models(algo: Algorithm, state: FedState) -> List[tuple]:
+  """The clients' own models as [(the Algorithm applying them, variables stacked [C_g, ...],
+  global client ids [C_g])], one group per cohort; [] when the clients keep no model.
+
+  Personalised algorithms (`eval_variables` per client: independent, Hetero-SSFL's cohorts,
+  representation sharing, FD) give theirs. An algorithm evaluated through a global model whose
+  stored client state still holds each client's network in the global model's layout (FedU,
+  FedEMA: `{'params', 'batch_stats'}` per client, not stateless) gives that network, as its last
+  local training left it (a client that never took part keeps its initial one)."""
+  variables, per_client = algo.eval_variables(state)
+  if per_client:
+    if algo.cohorts:
+      return [(c.client, v, np.asarray(c.members)) for c, v in zip(algo.cohorts, variables)]
+    cohort = rd.cohorts(algo, len(jax.tree_util.tree_leaves(variables)[0]))[0]
+    return [(algo, variables, np.asarray(cohort.members))]
+  clients = state.clients
+  if (algo.stateless is not None or algo.cohorts or not isinstance(clients, dict)
+      or not isinstance(clients.get('params'), dict) or 'encoder' not in clients['params']
+      or not isinstance(variables, dict) or 'params' not in variables):
+    return []
+  own = {'params': clients['params'], 'batch_stats': clients.get('batch_stats', {})}
+  try:
+    mine, glob = ssl_client.encoder_variables(own), ssl_client.encoder_variables(variables)
+  except (KeyError, TypeError):
+    return []
+  same = (jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(glob) and all(
+      np.shape(a)[1:] == np.shape(b) for a, b in zip(jax.tree_util.tree_leaves(mine),
+                                                     jax.tree_util.tree_leaves(glob))))
+  num_clients = len(jax.tree_util.tree_leaves(mine)[0]) if same else 0
+  return [(algo, own, np.arange(num_clients))] if same else []
+
+
+def _model_scores(config: ml_collections.ConfigDict, algo: Algorithm, variables: Any,
+                  dataset: Dataset, bank_x: np.ndarray, bank_y: np.ndarray,
+                  splits: Dict[str, np.ndarray], test_f: Optional[np.ndarray] = None,
+                  test_correct: Optional[np.ndarray] = None) -> Dict[str, Dict[str, float]]:
+  """{data name: {score: accuracy}} of one model (variables without a client axis) for one client:
+  kNN with the client's own images bank_x / bank_y as the memory bank, and with a classifier its
+  own predictions, on the test rows of each of `splits`. test_f [M, d] / test_correct [M] are the
+  model's test features / classifier hits when already computed (the global model's, shared by
+  every client)."""
+  out: Dict[str, Dict[str, float]] = {name: {} for name in splits}
+  if config.knn_k > 0:
+    if test_f is None:
+      test_f = encoder_features(algo, variables, False, dataset.test_x, dataset)
+    bank_f = fs_features.extract_features(algo.encoder_apply, variables, bank_x, dataset.mean,
+                                          dataset.std, batch_size=_BANK_BATCH)
+    for name, acc in fs_per_client.knn_scores(
+        bank_f, bank_y, test_f, dataset.test_y, splits, dataset.num_classes, k=config.knn_k,
+        temperature=config.knn_temperature).items():
+      out[name]['knn_acc'] = acc
+  if algo.classifier_apply is not None:
+    if test_correct is None:
+      test_correct = _classifier_correct(algo, variables, dataset)
+    for name, acc in fs_per_client.correct_rates(test_correct, splits).items():
+      out[name]['test_acc'] = acc
+  return out
+
+
+def _classifier_correct(algo: Algorithm, variables: Any, dataset: Dataset) -> np.ndarray:
+  """bool [M]: the model's own classifier is right on each test image."""
+  logits = encoder_features(dataclasses.replace(algo, encoder_apply=algo.classifier_apply),
+                            variables, False, dataset.test_x, dataset)
+  return np.asarray(jnp.argmax(logits, axis=-1)) == dataset.test_y
+
+
+def per_client_results(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState,
+                       dataset: Dataset, fed_data: FedData, splits: List[np.ndarray]
+                       ) -> tuple:
+  """Every client's own model (`client_models`) and the global model (where the algorithm
+  evaluates one) scored on the client's held-out split (`client_test_splits`) and on the whole
+  test set (docs/notes/evaluation.md#eval-25).
+
+  The score is the weighted kNN of the protocol (config.knn_k, capped at the bank size, and
+  config.knn_temperature) with the client's own labelled training images as the memory bank and
+  the scored model's features, and, for a model with a classifier, its own predictions
+  ('test_acc').
+
+  Returns:
+    (per_client, summary): results.json's 'per_client' list, one entry per client in id order,
+    {'client', 'n_train', 'n_test', 'own': {'split': {score: acc}, 'test': {...}} (clients with a
+    model), 'global': {...} (when there is a global model)}, and the spread of every score over the
+    clients (`per_client.summary`: '<score>_<model>_<data>_<stat>').
+  """
+  variables, per_client = algo.eval_variables(state)
+  x, y = np.asarray(fed_data.x), np.asarray(fed_data.y)
+  rows = [slice(int(o), int(o) + int(n)) for o, n in zip(np.asarray(fed_data.offsets),
+                                                         np.asarray(fed_data.n))]
+  every = np.arange(len(dataset.test_y))
+  queries = [{'split': s, 'test': every} for s in splits]
+  entries = [{'client': c, 'n_train': int(r.stop - r.start), 'n_test': int(splits[c].size)}
+             for c, r in enumerate(rows)]
+  if not per_client:
+    test_f = (encoder_features(algo, variables, False, dataset.test_x, dataset)
+              if config.knn_k > 0 else None)
+    test_correct = (_classifier_correct(algo, variables, dataset)
+                    if algo.classifier_apply is not None else None)
+    for c, r in enumerate(rows):
+      entries[c]['global'] = _model_scores(config, algo, variables, dataset, x[r], y[r],
+                                           queries[c], test_f, test_correct)
+  for group_algo, stacked, members in client_models(algo, state):
+    for i, c in enumerate(members):
+      mine = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
+      entries[c]['own'] = _model_scores(config, group_algo, mine, dataset, x[rows[c]],
+                                        y[rows[c]], queries[c])
+  return entries, fs_per_client.summary(entries)

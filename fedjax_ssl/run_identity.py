@@ -35,7 +35,8 @@ from fedjax_ssl import ssl
 
 # max_failed_fraction only decides whether a run stops after a round of failed clients, never what a
 # round computes: a resume may raise it to go on past such a stop.
-NEUTRAL_KEYS = ('checkpoint_every', 'eval_every', 'max_failed_fraction')
+# per_client_eval adds an evaluation after the last round and changes no round.
+NEUTRAL_KEYS = ('checkpoint_every', 'eval_every', 'max_failed_fraction', 'per_client_eval')
 
 # Keys a config ignores given its other values: left out of `run_key` (centralized training under
 # the IID and the Dirichlet column is the same run). The config blocks of the algorithms not
@@ -62,7 +63,7 @@ MOVED_KEYS = {'dapu_threshold': 'fedu.dapu_threshold',
 
 _NOT_PROGRAM_KEYS = ('seed', 'rounds', 'lr', 'eval_every', 'checkpoint_every', 'data_dir',
                      'strategy', 'map_chunk_size', 'knn_k', 'knn_temperature', 'knn_k_small',
-                     'label_fractions', 'label_draws')
+                     'label_fractions', 'label_draws', 'per_client_eval')
 _NOT_PROGRAM_PREFIXES = ('probe', 'finetune')
 
 

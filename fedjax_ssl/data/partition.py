@@ -36,6 +36,7 @@ _SCHEME_KWARGS = ('alpha', 'classes_per_client', 'min_size', 'shuffle_classes', 
 # Separate streams, so the public carve-out and the partition of one seed are independent draws.
 _PARTITION_STREAM = 0
 _PUBLIC_STREAM = 1
+_TEST_STREAM = 2  # the per-client held-out splits of the test set (`held_out_splits`)
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
@@ -220,6 +221,57 @@ def carve_public(labels, size: int, seed: int, *, stratified: bool = False
   public = np.sort(public).astype(np.int64)
   remaining = np.setdiff1d(np.arange(labels.size), public).astype(np.int64)
   return public, remaining
+
+
+def apportion_rows(weights: np.ndarray, total: int) -> np.ndarray:
+  """int64 [C]: `total` items split in proportion to integer weights [C] (>= 0, positive sum):
+  floor of each share plus one more for the largest remainders (ties to the lower index), so the
+  counts sum to `total` and a zero weight gets nothing. Integer arithmetic, so equal remainders
+  are exact ties (float shares would break them by rounding)."""
+  num = int(total) * np.asarray(weights, np.int64)
+  whole = int(np.sum(weights))
+  counts, rem = num // whole, num % whole
+  counts[np.argsort(-rem, kind='stable')[:int(total - counts.sum())]] += 1
+  return counts
+
+
+def held_out_splits(test_labels, class_weights, *, seed: int) -> List[np.ndarray]:
+  """Each client's held-out split of the test set, drawn like its training partition.
+
+  For every class k, the class's test examples, in a seeded random order, are split over the
+  clients in proportion to class_weights[:, k] (`apportion_rows`): a client receives the share of
+  class k's test images that it holds of class k's training images, so its split follows its own
+  label distribution (Dirichlet, classes or IID alike) and the splits are disjoint. Test images of a
+  class no client trains on are in no split. The draw is a pure function of the arguments; its
+  random stream is apart from the partition's and the public set's.
+
+  Args:
+    test_labels: int [M] labels of the test split, in [0, K).
+    class_weights: int [C, K] >= 0, the clients' training class histogram (`class_histogram`).
+    seed: the run's seed.
+  Returns:
+    C sorted int64 index arrays into the test split, pairwise disjoint.
+  """
+  labels = _as_labels(test_labels)
+  weights = np.asarray(class_weights)
+  if (weights.ndim != 2 or not np.issubdtype(weights.dtype, np.integer)
+      or np.any(weights < 0)):
+    raise ValueError(f'class_weights must be an integer [C, K] array >= 0, got {weights.dtype} '
+                     f'{weights.shape}')
+  if labels.size and labels.max() >= weights.shape[1]:
+    raise ValueError(f'test labels reach {labels.max()} but class_weights has only '
+                     f'{weights.shape[1]} classes')
+  rng = _rng(seed, _TEST_STREAM)
+  parts = [[] for _ in range(weights.shape[0])]
+  for k in range(weights.shape[1]):
+    idx = rng.permutation(np.flatnonzero(labels == k))
+    if idx.size == 0 or weights[:, k].sum() == 0:
+      continue
+    counts = apportion_rows(weights[:, k], idx.size)
+    for client, chunk in enumerate(np.split(idx, np.cumsum(counts)[:-1])):
+      parts[client].append(chunk)
+  return [np.sort(np.concatenate(p)).astype(np.int64) if p else np.zeros(0, np.int64)
+          for p in parts]
 
 
 def class_histogram(labels, parts, num_classes: int) -> np.ndarray:

@@ -12,7 +12,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedjax_ssl import algorithms, configuration, experiment
+from fedjax_ssl import algorithms, configuration, evaluation, experiment
 from fedjax_ssl.algorithms import Plan
 from fedjax_ssl.core import autotune, comm, strategies
 from fedjax_ssl.core import round as rd
@@ -68,7 +68,8 @@ class Run:
     compiled round; per_participant: message sizes per cohort (`rd.message_bytes`); changes: the
     config's changes against the workdir's config.json ({} when none or new); host: the numerics
     host the run started on (`numerics.numerics_host`), recorded in strategy.json; initial_state:
-    builds the round-0 state (`InitialState`).
+    builds the round-0 state (`InitialState`); client_splits: with config.per_client_eval, each
+    client's held-out test rows (`evaluation.client_test_splits`), else None.
   """
   config: ml_collections.ConfigDict
   rundir: RunDir
@@ -86,6 +87,7 @@ class Run:
   changes: dict[str, tuple[Any, Any]]
   host: dict
   initial_state: InitialState
+  client_splits: Optional[list]
 
 
 def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
@@ -105,6 +107,9 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   fed_data, info = experiment.build_fed_data(config, dataset)
   console.say(_data_summary(config, dataset) + '\n' +
               partition.format_histogram(info['histogram']))
+  # Per-client results (issue 69): the splits, refused before any compute when a client's is small.
+  splits = (evaluation.client_test_splits(config, dataset, fed_data) if config.per_client_eval
+            else None)
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
   plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
   if plan is not None:
@@ -131,7 +136,7 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   return Run(config=config, rundir=rundir, console=console, dataset=dataset, fed_data=fed_data,
              algo=algo, plan=plan, round_cfg=round_cfg, init_key=init_key, run_key=run_key,
              choice=choice, round_step=round_step, per_participant=per_participant,
-             changes=changes, host=host, initial_state=initial_state), state
+             changes=changes, host=host, initial_state=initial_state, client_splits=splits), state
 
 
 def _changes(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, allow_config_change: bool,

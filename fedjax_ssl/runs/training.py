@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl import experiment, files
+from fedjax_ssl import evaluation, experiment, files
 from fedjax_ssl.core import compilation, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, numerics, plotting,
@@ -334,6 +334,11 @@ def report(run: Run, outcome: Outcome, refs: References, *,
     final = experiment.evaluate(config, algo, _local(outcome.state), run.dataset)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(outcome.state))
+  per_client = None
+  if config.per_client_eval:  # issue 69: the list for results.json, the spread into `final`
+    per_client, spread = evaluation.per_client_results(
+        config, algo, _local(outcome.state), run.dataset, run.fed_data, run.client_splits)
+    final.update(spread)
   outcome.writer.close()
   record = results.record('completed', config, algo, refs, rundir, final=final)
   if algo.cohorts:  # the architecture of every client, as this run assigned it
@@ -344,6 +349,8 @@ def report(run: Run, outcome: Outcome, refs: References, *,
   final.update(results.best_over_rounds(records, 'knn_acc'))
   record['communication'] = results.communication(algo, config, run.per_participant, records)
   record['strategy'] = numerics.strategy_record(run.choice, run.host)
+  if per_client is not None:
+    record['per_client'] = per_client
   if outcome.compile_times is not None:
     record['first_round'] = dict(
         outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),

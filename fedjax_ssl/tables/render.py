@@ -13,6 +13,7 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import files
+from fedjax_ssl.eval import per_client
 from fedjax_ssl.runs import plotting
 from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl.tables.schema import RunSpec, Table, metric_name, run_status
@@ -175,6 +176,8 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
                                        for m in table.metrics)]
   groups = _reference_groups(rows, table.columns, table.metrics, by_key)
   for metric in table.metrics:
+    if per_client.parse_key(metric):  # per-client results: their own section, below
+      continue
     lines += ['', f'## {metric_name(metric)}', '',
               '| | ' + ' | '.join(table.columns) + ' |',
               '|---|' + '---|' * len(table.columns)]
@@ -199,6 +202,7 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
     pixels = reference('raw_pixels_mean', rows)
     if any(math.isfinite(v) for v in pixels):
       lines.append('| *raw pixels* | ' + ' | '.join(map(_fmt, pixels)) + ' |')
+  lines += per_client.markdown_lines(table.metrics, rows, table.columns, by_key, _md_cell)
   failures = [(e['cell'], err) for e in summary for err in e['errors']]
   if failures:
     lines += ['', '## Failed runs', '']
@@ -254,7 +258,8 @@ def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) ->
   import matplotlib.patches  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt
 
-  metrics, columns = list(table.metrics), list(table.columns)
+  metrics = [m for m in table.metrics if not per_client.parse_key(m)]  # per-client: table.md only
+  columns = list(table.columns)
   rows = [r for r in table.rows if any(e['row'] == r for e in summary)]
   width = 0.8 / len(columns)
   fig, axes = plt.subplots(len(metrics), 1, squeeze=False,

@@ -16,6 +16,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment, run_identity
+from fedjax_ssl.eval import per_client
 from fedjax_ssl.runs.run_dir import RunDir
 
 SCALES = ('quick', 'evidence', 'paper')
@@ -40,6 +41,8 @@ METRICS = {
     # config.finetune (eval/finetune.py): encoder + linear head fine-tuned on a stratified subset.
     'ft_acc_1pct': 'fine-tuned, 1% of the labels (%)',
     'ft_acc_10pct': 'fine-tuned, 10% of the labels (%)',
+    # config.per_client_eval (eval/per_client.py): the spread over clients, '<score>_<model>_<data>_<stat>'.
+    **per_client.metric_names(),
 }
 
 
@@ -211,7 +214,11 @@ def load_table(path: str, scale: str) -> Table:
 def with_overrides(table: Table, overrides: Mapping[str, Any]) -> Table:
   """`table` with `overrides` (config key -> value, e.g. {'rounds': 40, 'fedu2.lambda_u': 0.0})
   applied to every cell, after the table's own settings."""
-  return dataclasses.replace(table, overrides={**table.overrides, **overrides})
+  table = dataclasses.replace(table, overrides={**table.overrides, **overrides})
+  if overrides.get('per_client_eval'):  # per-client results (issue 69): their spread columns
+    table = dataclasses.replace(table, metrics=table.metrics + tuple(
+        m for m in per_client.table_metrics(per_client.SCORES) if m not in table.metrics))
+  return table
 
 
 def cell_config(table: Table, row: str, column: str, seed: int) -> ml_collections.ConfigDict:

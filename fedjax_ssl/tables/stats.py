@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_ssl import configuration
+from fedjax_ssl.eval import per_client
 from fedjax_ssl.tables.schema import (RANDOM_INIT, RAW_PIXELS, Claim, RunSpec, Table, cell_config,
                                       cell_id, cohort_metric, metric_name, run_status)
 
@@ -49,6 +50,8 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
         elif status == 'done':
           key = run_metric(metric, payload, run.config)
           if key not in payload['final']:
+            if per_client.parse_key(metric):  # per-client: a run has only the models it keeps
+              continue
             # A per-architecture metric exists only for runs with cohorts and for runs of that one
             # architecture; a run with cohorts but without it has a misspelled cohort name.
             if cohort_metric(metric) is None or 'cohorts' in payload:
@@ -60,8 +63,8 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           seeds.append(run.seed)
         elif status in ('failed', 'stale'):
           errors.append(f'seed {run.seed}: {payload}')
-      if cohort_metric(metric) and not values and not errors and not diverged and all(
-          status == 'done' for _, status, _ in entries):
+      if ((cohort_metric(metric) or per_client.parse_key(metric)) and not values and not errors
+          and not diverged and all(status == 'done' for _, status, _ in entries)):
         continue
       paper = table.paper.get((row, column, metric))
       mean = float(np.mean(values)) if values else float('nan')
@@ -182,6 +185,8 @@ def at_chance_values(entry: Dict[str, Any], num_classes: int) -> Dict[int, str]:
   metric alone (a fine-tune diverged at 1 % of the labels, a kNN vote of one class), and a mean
   over it and learning seeds would describe neither. A failed reference takes its seed's trained
   value out with it, so that a row and its reference stay paired over the same seeds."""
+  if per_client.parse_key(entry['metric']):  # a spread over clients (a std, a worst tail) is no
+    return {}                                # failed evaluation when it is low
   chance = 100.0 / num_classes
   name = metric_name(entry['metric'])
   split = cohort_metric(entry['metric'])

@@ -139,3 +139,33 @@ def test_read_csv_refuses_a_table_csv_of_another_layout(tmp_path):
   assert str(e.value) == (f'{path} has the columns {old}: expected {list(tables.CSV_FIELDS)} (a '
                           'table.csv of an older layout; re-render it with the harness of that '
                           'time, or delete it to run the table again)')
+
+
+def test_per_client_results_become_spread_columns_and_absent_models_are_skipped(tmp_path):
+  """--config.per_client_eval=true adds the spread metrics (eval/per_client.py); a run reports only
+  the models it keeps (FedAvg: global; independent: own) without a failure; table.md shows them as
+  mean / std / worst-10 % / best-10 % columns; a low std is no value 'at chance'."""
+  table = tables.with_overrides(
+      make_table(rows={'IL': dict(algorithm='independent'), 'FL': dict(algorithm='fedavg')},
+                 columns={'IID': dict(partition='iid')}), {'per_client_eval': True})
+  assert 'knn_acc_own_split_worst10' in table.metrics and 'probe_acc' in table.metrics
+  runs = tables.plan_runs(table, seeds=[0, 1])
+  stats = {'mean': 0.7, 'std': 0.01, 'worst10': 0.5, 'best10': 0.9}
+  for run in runs:
+    model = 'own' if run.cells[0][0] == 'IL' else 'global'
+    final = {'probe_acc': 0.8, **{f'knn_acc_{model}_split_{s}': v + 0.01 * run.seed
+                                  for s, v in stats.items()}}
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    (wd / 'results.json').write_text(json.dumps({'final': final, 'random_init': {}}))
+  summary = tables.mark_collapsed(table, tables.summarize(table, runs, tmp_path))
+  assert not [e for e in summary if e['errors'] or e.get('at_chance')]
+  by = {(e['row'], e['metric']): e for e in summary}
+  assert ('FL', 'knn_acc_own_split_mean') not in by and ('IL', 'knn_acc_global_split_mean') not in by
+  np.testing.assert_allclose(by[('IL', 'knn_acc_own_split_std')]['mean'], 1.5, rtol=1e-12)
+  md = tables.markdown(table, summary, [0, 1])
+  assert '## Per-client results' in md
+  assert '| | mean | std | worst-10 % | best-10 % |' in md
+  assert '| IL | 70.50 ± 0.71 | 1.50 ± 0.71 | 50.50 ± 0.71 | 90.50 ± 0.71 |' in md
+  assert '| FL | 70.50 ± 0.71 |' in md
+  assert 'Failed runs' not in md and '\n## kNN on the client' not in md   # no per-metric grid
