@@ -643,3 +643,29 @@ def test_read_csv_refuses_a_table_csv_of_another_layout(tmp_path):
   assert str(e.value) == (f'{path} has the columns {old}: expected {list(reproduce.CSV_FIELDS)} (a '
                           'table.csv of an older layout; re-render it with the harness of that '
                           'time, or delete it to run the table again)')
+
+
+def test_a_dp_cell_reports_the_epsilon_its_runs_spent(tmp_path):
+  # results.json's 'dp' block (registry.dp_plan) of each seed goes to table.md's privacy section;
+  # a cell without DP has none.
+  table = _table(rows={'DP': {'dp.enabled': True, 'dp.target_epsilon': 4.0},
+                       'plain': {}}, columns={'IID': dict(partition='iid')})
+  runs = reproduce.plan_runs(table, seeds=[0, 1])
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    payload = {'final': {'probe_acc': 0.6}, 'random_init': {'probe_acc': 0.5}}
+    if run.cells[0][0] == 'DP':
+      payload['dp'] = {'noise_multiplier': 5.024, 'clip_norm': 0.5, 'per_layer': False,
+                       'delta': 1e-5, 'rounds': 100, 'accountant': 'rdp', 'planned_epsilon': 3.9999,
+                       'adjacency': 'replace_one (user level)',
+                       'sampling': '50 of 500 without replacement', 'epsilon': 3.9999 - run.seed}
+    (wd / 'results.json').write_text(json.dumps(payload))
+  summary = reproduce.summarize(table, runs, tmp_path)
+  md = reproduce.markdown(table, summary, [0, 1])
+  assert '## Privacy spent (DP-FedAvg, user level)' in md
+  assert ('| DP, IID | 4.000 | 1e-05 | 5.024 | 0.5 | 50 of 500 without replacement | 100 | rdp, '
+          'replace_one (user level) | 0,1 |') in md
+  assert '| plain, IID |' not in md
+  assert 'Privacy spent' not in reproduce.markdown(table, [e for e in summary if e['row'] == 'plain'],
+                                                   [0, 1])
