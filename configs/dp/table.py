@@ -17,7 +17,7 @@ coordinate on the mean, where one update's whole norm is at most S, so that row 
 construction and is not spent on. 500 clients of the first 20,000 images (Dirichlet(0.5): 5 to
 108 images each, median 37), 50 a round sampled without replacement (q = 0.1, accounted by
 dp-accounting's RDP for sampling without replacement), is a small cross-device federation
-that the 2-core budget allows (about 3 CPU-minutes a run).
+that the 2-core budget allows (about 2.3 CPU-minutes a run).
 
 Settings (docs/notes/engine.md#eng-80): 30 rounds of 1 local epoch, batch 16, SGD 0.1 cosine,
 SimCLR temperature 0.2, the small CNN with a 256-128 projector WITHOUT BatchNorm: the projector's
