@@ -378,7 +378,7 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
       'hosts': hosts, 'devices_per_host': devices_per_host, 'devices': devices,
       'participants_per_device': local,
       'replicated_data_bytes': data_bytes, 'replicated_client_state_bytes': on_device_states,
-      'host_client_state_bytes': host_states,
+      'host_client_state_bytes': host_states, 'other_participant_state_bytes': extra,
       'bytes_per_device': per_device, 'bytes_per_host': per_host,
       'bytes_per_device_when_placed': placed_device, 'bytes_per_host_when_placed': placed_host,
   }
@@ -421,7 +421,9 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
   topo = topology(config, mem, _tree_bytes(s.data), stored, int(hosts), int(devices_per_host),
                   target)
   if devices > 1:  # the inputs every device holds today, whole (`topology`)
-    mem = dict(mem, total_bytes=topo['bytes_per_device'])
+    extra = topo['other_participant_state_bytes']
+    mem = dict(mem, input_bytes=mem['input_bytes'] + extra,
+               output_bytes=mem['output_bytes'] + extra, total_bytes=topo['bytes_per_device'])
   usable = device_memory_gb * memory_fraction * GIB
   p = {
       'algorithm': s.algo.name, 'ssl_method': config.ssl_method, 'dataset': s.info.name,

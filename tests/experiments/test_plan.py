@@ -121,6 +121,8 @@ def test_host_resident_states_are_in_every_process_and_on_a_cpu_target_so_are_it
   s = one['stored_client_bytes']
   assert p['participants_per_device'] == 2 and p['map_chunk_size'] == 1
   assert p['bytes_per_device'] == one['total_bytes'] + 2 * (4 - 2) * s
+  assert p['bytes_per_device'] == (p['input_bytes'] + p['output_bytes'] - p['alias_bytes'] +
+                                   p['temp_bytes'] + p['generated_code_bytes'])
   assert p['replicated_client_state_bytes'] == 4 * s
   assert p['host_client_state_bytes'] == 6 * s
   assert p['bytes_per_host'] == TINY_DATA_BYTES + 6 * s + 2 * p['bytes_per_device']
