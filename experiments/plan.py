@@ -38,7 +38,7 @@ def _define_flags():
   """The binary's flags, defined only when it runs: the tests import this module beside
   experiments.train and experiments.reproduce, whose --config / --table would clash."""
   global _CONFIG, _DEVICE_MEMORY_GB, _MEMORY_FRACTION, _TARGET, _TABLE, _SCALE, _SEEDS, _TFLOPS, _JSON
-  global _MEASURE_ROUNDS
+  global _MEASURE_ROUNDS, _HOSTS, _DEVICES_PER_HOST
   _CONFIG = config_flags.DEFINE_config_file('config', None, 'ml_collections config file.',
                                             lock_config=True)
   _DEVICE_MEMORY_GB = flags.DEFINE_float('device_memory_gb', 80.0,
@@ -58,6 +58,11 @@ def _define_flags():
   _MEASURE_ROUNDS = flags.DEFINE_integer(
       'measure_rounds', 0, 'After planning, train this many timed rounds (after one warm-up '
       'round) on synthetic images of the planned shape and sizes; 0: plan only.')
+  _HOSTS = flags.DEFINE_integer(
+      'hosts', 1, 'Machines, one process each (jax.distributed): the report gives the memory per '
+      'host and per device and the strategy to use (`topology`).')
+  _DEVICES_PER_HOST = flags.DEFINE_integer(
+      'devices_per_host', 1, 'Accelerators per host; hosts x devices_per_host devices in all.')
 
 
 EXIT_DOES_NOT_FIT = 2
@@ -249,25 +254,120 @@ def check_memory_flags(device_memory_gb: float, memory_fraction: float) -> None:
     raise cv.ConfigError(f'--memory_fraction = {memory_fraction:g} is invalid: must be in (0, 1]')
 
 
+def check_topology(hosts, devices_per_host, clients_per_round: int) -> int:
+  """The device count hosts x devices_per_host; cv.ConfigError (one line) for a count < 1 or a
+  round whose participants do not split evenly over the devices ('shard' gives each device the same
+  number, strategies.check_participants)."""
+  for name, value, what in (('hosts', hosts, 'machines, one process each'),
+                            ('devices_per_host', devices_per_host, 'accelerators per host')):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise cv.ConfigError(f'--{name} = {value!r} is invalid: must be an integer >= 1 ({what})')
+  devices = int(hosts) * int(devices_per_host)
+  m = int(clients_per_round)
+  if devices > 1 and m % devices:
+    near = ' or '.join(str(k) for k in (m // devices * devices, (m // devices + 1) * devices) if k)
+    raise cv.ConfigError(
+        f'clients_per_round = {m} is invalid with --hosts={hosts} x --devices_per_host='
+        f'{devices_per_host} = {devices} devices: strategy \'shard\' gives every device the same '
+        f'number of participants, so it must be a multiple of {devices} (e.g. {near})')
+  return devices
+
+
+def device_config(config: ml_collections.ConfigDict, devices: int
+                  ) -> Tuple[ml_collections.ConfigDict, int]:
+  """(the config of what ONE device runs under 'shard', participants per device). `config` has its
+  'auto' settings resolved. 'shard' runs each device's m / P participants in chunks of
+  map_chunk_size (strategies.run); a config on 'vmap' means one vmap over them (chunk m / P). The
+  one-device program is compiled as that many participants under 'vmap' (one chunk) or 'map'."""
+  local = config.clients_per_round // devices
+  chunk = local if config.strategy == 'vmap' else min(config.map_chunk_size, local)
+  dev = ml_collections.ConfigDict(config.to_dict())
+  dev.clients_per_round = local
+  dev.strategy = 'vmap' if chunk == local else 'map'
+  dev.map_chunk_size = chunk
+  return dev, chunk
+
+
+def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes: int,
+             stored_client_bytes: int, hosts: int, devices_per_host: int, target: str
+             ) -> Dict[str, Any]:
+  """Bytes per device and per host of a round on hosts x devices_per_host devices, as the code runs
+  it today and as it would once clients are placed (issue 67 item 1, not built).
+
+  `mem` is `memory` of the one-device program (`device_config`: m / P participants); `data_bytes`
+  the federated data (FedData); `stored_client_bytes` one client's stored state. Today every
+  process loads and partitions the whole data and every device receives the round's inputs whole
+  (strategies.replicate; a single process's jit copies its replicated inputs to each device): the
+  data, the C stored states ('device') or, under 'host', all m participants' states, of which the
+  compile counted its own m / P. Only the participants' training (the temporaries) divides. Per
+  host: the federated data and, under 'host', the C stored states; on a CPU target the host's
+  devices are its memory too. 'When placed' replaces each replicated share by its 1 / P (device) or
+  1 / H (host) part: an estimate of a design, not of code.
+  """
+  devices = hosts * devices_per_host
+  m, c = config.clients_per_round, config.num_clients
+  local = m // devices
+  on_device_states = (c if config.client_state == 'device' else m) * stored_client_bytes
+  host_states = c * stored_client_bytes if config.client_state == 'host' else 0
+  # The one-device compile holds the m / P participants' states under 'host'; the other m - m / P
+  # arrive (and leave) replicated as well.
+  extra = (m - local) * stored_client_bytes if config.client_state == 'host' else 0
+  per_device = mem['total_bytes'] + 2 * extra
+  per_host = data_bytes + host_states + (devices_per_host * per_device if target == 'cpu' else 0)
+  replicated = data_bytes + on_device_states
+  placed_device = per_device - replicated + -(-replicated // devices)
+  placed_host = (-(-(data_bytes + host_states) // hosts) +
+                 (devices_per_host * placed_device if target == 'cpu' else 0))
+  return {
+      'hosts': hosts, 'devices_per_host': devices_per_host, 'devices': devices,
+      'participants_per_device': local,
+      'replicated_data_bytes': data_bytes, 'replicated_client_state_bytes': on_device_states,
+      'host_client_state_bytes': host_states, 'other_participant_state_bytes': extra,
+      'bytes_per_device': per_device, 'bytes_per_host': per_host,
+      'bytes_per_device_when_placed': placed_device, 'bytes_per_host_when_placed': placed_host,
+  }
+
+
 def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
-         memory_fraction: float = 0.75, target: str = 'gpu', measure_rounds: int = 0
-         ) -> Dict[str, Any]:
+         memory_fraction: float = 0.75, target: str = 'gpu', measure_rounds: int = 0,
+         hosts: int = 1, devices_per_host: int = 1) -> Dict[str, Any]:
   """Compiles one round of `config` abstractly; returns its memory, FLOPs and whether it fits, and
   with `measure_rounds` > 0 what training that many rounds here measured (`measured`).
 
-  Raises cv.ConfigError for a refused config, device memory, fraction or round count.
+  With hosts x devices_per_host = P > 1 devices the strategy is 'shard' and the memory is that of
+  one device's program (m / P participants; `device_config`), with the inputs every device holds
+  today counted whole (`topology`); FLOPs stay those of the whole round.
+
+  Raises cv.ConfigError for a refused config, device memory, fraction, round count or topology.
   """
   check_memory_flags(device_memory_gb, memory_fraction)
   if measure_rounds < 0:
     raise cv.ConfigError(f'--measure_rounds = {measure_rounds} is invalid: must be >= 0')
+  devices = check_topology(hosts, devices_per_host, config.clients_per_round)
+  if devices > 1 and measure_rounds:
+    raise cv.ConfigError(f'--measure_rounds = {measure_rounds} is invalid with {devices} devices: '
+                         'it trains on this machine\'s one device; plan without it')
   s = setup(config, target)
   config = s.config
+  run_config, chunk = config, None
+  if devices > 1:
+    dev_config, chunk = device_config(config, devices)
+    logging.info('the program of one of %d devices: %d participants', devices,
+                 dev_config.clients_per_round)
+    s = setup(dev_config, target)
   # Progress on stderr: a compile can take minutes (a run stopped by a time limit says where).
   logging.info('compiling the round abstractly')
   compiled, input_bytes, holds = compile_round(s)
   mem = memory(compiled, input_bytes)
   logging.info('counting the FLOPs of a local step (an XLA:CPU compile)')
-  per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, config)
+  per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, run_config)
+  stored = _tree_bytes(s.state.clients) // config.num_clients
+  topo = topology(config, mem, _tree_bytes(s.data), stored, int(hosts), int(devices_per_host),
+                  target)
+  if devices > 1:  # the inputs every device holds today, whole (`topology`)
+    extra = topo['other_participant_state_bytes']
+    mem = dict(mem, input_bytes=mem['input_bytes'] + extra,
+               output_bytes=mem['output_bytes'] + extra, total_bytes=topo['bytes_per_device'])
   usable = device_memory_gb * memory_fraction * GIB
   p = {
       'algorithm': s.algo.name, 'ssl_method': config.ssl_method, 'dataset': s.info.name,
@@ -276,11 +376,12 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
       'num_clients': config.num_clients, 'clients_per_round': config.clients_per_round,
       'local_epochs': config.local_epochs, 'batch_size': config.batch_size,
       'rounds': config.rounds,
-      'strategy': config.strategy, 'map_chunk_size': config.map_chunk_size,
+      'strategy': config.strategy if devices == 1 else 'shard',
+      'map_chunk_size': config.map_chunk_size if devices == 1 else chunk,
       'client_state': config.client_state, 'conv_impl': config.conv_impl,
       'target': target, 'backend': jax.default_backend(), 'device_program': holds,
-      'stored_client_bytes': _tree_bytes(s.state.clients) // config.num_clients,
-      **mem,
+      'stored_client_bytes': stored,
+      **mem, **topo,
       'bytes_per_device': mem['total_bytes'],
       'flops_per_step': per_step[0] if len(per_step) == 1 else per_step,
       'steps_per_round': float(sum(steps)),
@@ -425,6 +526,7 @@ def text(p: Dict[str, Any]) -> str:
                      ('aliased (donated)', 'alias_bytes'), ('total', 'total_bytes')):
     sign = '-' if key == 'alias_bytes' else ' '
     lines.append(f'  {label:18s} {sign}{_gib(p[key]):>12s}')
+  lines += topology_text(p)
   lines += [
       f'FLOPs: {per_step} per local step (one batch, forward + backward, XLA cost analysis); '
       f'{p["steps_per_round"]:,.0f} real local steps per round (expected) -> '
@@ -448,6 +550,35 @@ def text(p: Dict[str, Any]) -> str:
         f'  peak device memory in use: {peak}',
     ]
   return '\n'.join(lines)
+
+
+def topology_text(p: Dict[str, Any]) -> List[str]:
+  """The lines on hosts and devices: the strategy to use, per device and per host today, and the
+  same once clients are placed (labelled as a plan of issue 67 item 1, not built)."""
+  states = ('the C stored states' if p['client_state'] == 'device' else
+            "the round's m participants' states")
+  host_states = (f' + {_gib(p["host_client_state_bytes"])} of host-resident client states'
+                 if p['host_client_state_bytes'] else '')
+  cpu = ' + its devices\' memory (a CPU target)' if p['target'] == 'cpu' else ''
+  lines = []
+  if p['devices'] > 1:
+    lines.append(
+        f'{p["hosts"]} host(s) x {p["devices_per_host"]} device(s) = {p["devices"]} devices: '
+        f"strategy to use 'shard' ({p['participants_per_device']} participants per device, "
+        f'map_chunk_size {p["map_chunk_size"]}); the memory above is one device\'s program')
+  lines += [
+      f'per device, today: {_gib(p["bytes_per_device"])}, of which replicated on every device '
+      f'{_gib(p["replicated_data_bytes"])} of data and {_gib(p["replicated_client_state_bytes"])} '
+      f'of {states}; only the participants\' training divides',
+      f'per host, today: {_gib(p["bytes_per_host"])} (every process loads the whole data, '
+      f'{_gib(p["replicated_data_bytes"])}{host_states}{cpu})',
+  ]
+  if p['devices'] > 1:
+    lines.append(
+        f'when client placement lands (issue 67 item 1, not built; an estimate): per device '
+        f'{_gib(p["bytes_per_device_when_placed"])}, per host '
+        f'{_gib(p["bytes_per_host_when_placed"])}')
+  return lines
 
 
 def table_text(e: Dict[str, Any]) -> str:
@@ -479,7 +610,7 @@ def main(argv):
     print(json.dumps(e, sort_keys=True) if _JSON.value else table_text(e), flush=True)
     return
   p = plan(_CONFIG.value, _DEVICE_MEMORY_GB.value, _MEMORY_FRACTION.value, _TARGET.value,
-           _MEASURE_ROUNDS.value)
+           _MEASURE_ROUNDS.value, _HOSTS.value, _DEVICES_PER_HOST.value)
   print(json.dumps(p, sort_keys=True) if _JSON.value else text(p), flush=True)
   if not p['fits']:
     print(f'error: {not_fit_message(p)}', file=sys.stderr)

@@ -513,7 +513,9 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
 SMOKE_ENV = 'FEDJAX_SSL_SMOKE'
 # train_size's limit is 2,000 images for the clients beside the public set, which keeps its size
 # (Hetero-SSFL's RAD batches must divide it).
-SMOKE_LIMITS = dict(rounds=2, local_epochs=1, train_size=2000)
+# num_clients: the smoke data (2,000 images) cannot give every client of a cross-device federation
+# (configs/dp/table.py: 500) the 2 examples a partition needs; clients_per_round follows it down.
+SMOKE_LIMITS = dict(rounds=2, local_epochs=1, train_size=2000, num_clients=100)
 # The protocol's probe at full labels only: the 1 % fits at weak penalty run to max_iter on raw
 # pixels, most of a smoke run's time (docs/notes/harness.md#harness-24).
 SMOKE_SETTINGS = dict(label_fractions=(1.0,))
@@ -539,6 +541,7 @@ def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     value = int(small[key])
     limit += int(small.public_size) if key == 'train_size' else 0
     small[key] = limit if (key == 'train_size' and value == 0) else min(value, limit)
+  small.clients_per_round = min(int(small.clients_per_round), int(small.num_clients))
   if small.eval_every:
     small.eval_every = min(int(small.eval_every), small.rounds)
   if small.checkpoint_every:

@@ -328,3 +328,17 @@ def test_validate_config_loads_no_data_and_compiles_nothing(monkeypatch, caplog)
   finally:
     jax.config.update('jax_log_compiles', False)
   assert 'Compiling' not in caplog.text and 'Finished XLA compilation' not in caplog.text
+
+
+def test_smoke_caps_a_cross_device_federation_to_what_its_data_can_partition():
+  # 500 clients of 50 a round on the smoke's 2,000 images: 100 clients (Dirichlet needs 2 examples
+  # each), 50 a round; a 10-client federation keeps its size, and participants never exceed clients.
+  c = configuration.default_config()
+  c.update(dict(num_clients=500, clients_per_round=50, rounds=30, train_size=20000))
+  small = configuration.smoke(c)
+  assert (small.num_clients, small.clients_per_round, small.rounds, small.train_size) == (
+      100, 50, 2, 2000)
+  c.update(dict(num_clients=500, clients_per_round=200))
+  assert (configuration.smoke(c).num_clients, configuration.smoke(c).clients_per_round) == (100, 100)
+  c.update(dict(num_clients=10, clients_per_round=10))
+  assert (configuration.smoke(c).num_clients, configuration.smoke(c).clients_per_round) == (10, 10)

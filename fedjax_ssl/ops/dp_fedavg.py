@@ -31,6 +31,7 @@ from typing import Any, Dict
 import dp_accounting
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_ssl.ops import privacy
 
@@ -170,6 +171,18 @@ def make_accountant(accountant: str) -> dp_accounting.PrivacyAccountant:
   return dp_accounting.pld.PLDAccountant()
 
 
+@functools.lru_cache(maxsize=256)
+def _round_rdp(noise_multiplier: float, clients_per_round: int, num_clients: int):
+  """(orders, RDP of ONE round): dp-accounting's RdpAccountant (REPLACE_ONE) composed with one
+  `round_event`. Composing the same event T times adds T times its RDP to zeros (the accountant's
+  `_rdp += count * rdp`), so T rounds are exactly T times this: the ledger's epsilon after round T
+  costs one `compute_epsilon` instead of a fresh subsampled-RDP evaluation (about 0.2 CPU-s each,
+  once per round; docs/notes/engine.md#eng-82)."""
+  acc = make_accountant('rdp')
+  acc.compose(round_event(noise_multiplier, clients_per_round, num_clients), 1)
+  return np.array(acc._orders), np.array(acc._rdp)  # the accountant's own arrays, read once
+
+
 @functools.lru_cache(maxsize=4096)
 def epsilon(noise_multiplier: float, clients_per_round: int, num_clients: int, rounds: int,
             delta: float, accountant: str = 'rdp') -> float:
@@ -180,6 +193,9 @@ def epsilon(noise_multiplier: float, clients_per_round: int, num_clients: int, r
     return 0.0
   if z == 0.0:
     return math.inf
+  if accountant == 'rdp':
+    orders, rdp = _round_rdp(z, m, c)
+    return float(dp_accounting.rdp.rdp_privacy_accountant.compute_epsilon(orders, t * rdp, d)[0])
   acc = make_accountant(accountant)
   acc.compose(round_event(z, m, c), t)
   return float(acc.get_epsilon(d))

@@ -16,7 +16,7 @@ from fedjax_ssl import files
 from fedjax_ssl.eval import per_client
 from fedjax_ssl.runs import plotting
 from fedjax_ssl.runs.run_dir import RunDir
-from fedjax_ssl.tables.schema import RunSpec, Table, metric_name, run_status
+from fedjax_ssl.tables.schema import RunSpec, Table, cell_id, metric_name, run_status
 from fedjax_ssl.tables.stats import (COLLAPSE_MARGIN, REFERENCE_TOLERANCE, mark_collapsed,
                                      verdicts)
 
@@ -230,6 +230,7 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
   if carried:
     lines += ['', f'Carried from the previous table.csv (no run of theirs under this output '
               f'directory): {", ".join(f"`{c}`" for c in carried)}.']
+  lines += privacy_lines(table, summary)
   if table.notes:
     lines += ['', table.notes.strip()]
   found = verdicts(table, summary)
@@ -247,6 +248,35 @@ def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[in
                    f"| {v['claim']} | {v['column']} | {metric_name(v['metric'])} | – | – | 0 | "
                    f"{v['verdict']} |")
   return '\n'.join(lines) + '\n'
+
+
+def privacy_lines(table: Table, summary: Sequence[Dict[str, Any]]) -> List[str]:
+  """The '## Privacy spent' section of table.md: per DP-FedAvg cell (results.json's 'dp' block of
+  its finished seeds), the epsilon the ledger spent (the largest over seeds; seeds of one cell share
+  the schedule), the noise multiplier, clip norm, delta, sampling and accountant. [] when no cell
+  ran with config.dp."""
+  cells = {}
+  for e in summary:
+    if e.get('privacy') and e['cell'] not in cells:
+      cells[e['cell']] = e
+  if not cells:
+    return []
+  lines = ['', '## Privacy spent (DP-FedAvg, user level)', '',
+           '| cell | epsilon spent | delta | noise multiplier | clip norm | sampling per round | '
+           'rounds | accountant | seeds |', '|---|---|---|---|---|---|---|---|---|']
+  for row, column in table.cells():
+    e = cells.get(cell_id(row, column))
+    if e is None:
+      continue
+    p = e['privacy']
+    eps = max(float(x.get('epsilon', x.get('planned_epsilon', float('nan')))) for x in p)
+    first = p[0]
+    lines.append(f"| {row}, {column} | {eps:.3f} | {first['delta']:g} | "
+                 f"{first['noise_multiplier']:.4g} | {first['clip_norm']:g}"
+                 f"{' per layer' if first.get('per_layer') else ''} | {first['sampling']} | "
+                 f"{first['rounds']} | {first['accountant']}, {first['adjacency']} | "
+                 f"{','.join(str(x['seed']) for x in p)} |")
+  return lines
 
 
 def plot(table: Table, summary: Sequence[Dict[str, Any]], path: pathlib.Path) -> None:

@@ -43,7 +43,10 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
     entries = per_cell[(row, column)]
     for metric in table.metrics:
       values, inits, pixels, errors, seeds, diverged = [], [], [], [], [], []
+      privacy = []  # DP-FedAvg's spent budget per finished seed (results.json 'dp')
       for run, status, payload in entries:
+        if status == 'done' and isinstance(payload.get('dp'), dict):
+          privacy.append(dict(payload['dp'], seed=run.seed))
         if status == 'done' and payload.get('status') == 'diverged':  # marked, never averaged
           diverged.append(f'seed {run.seed}: diverged at round {payload["diverged"]["round"]} '
                           f'({payload["diverged"]["quantity"]})')
@@ -77,7 +80,7 @@ def summarize(table: Table, runs: Sequence[RunSpec], out: pathlib.Path) -> List[
           'random_init_mean': float(np.mean(inits)) if inits else float('nan'),
           'raw_pixels_mean': float(np.mean(pixels)) if pixels else float('nan'),
           'random_init_values': inits, 'raw_pixels_values': pixels,
-          'pending': sum(status == 'missing' for _, status, _ in entries),
+          'pending': sum(status == 'missing' for _, status, _ in entries), 'privacy': privacy,
           'errors': errors, 'diverged': diverged})
   return rows
 

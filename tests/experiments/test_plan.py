@@ -2,10 +2,12 @@
 real steps, host-placed client state leaves the C - m stored states off the device, the --json
 object's keys, exit status 2 for a round that does not fit (one line with the numbers), the refusal
 of a device memory <= 0 (exit status 1), a table's estimate, the FLOP count (XLA:CPU's, exact for a
-convolution and a matmul) and --measure_rounds (the planned round trained on synthetic images of
-the planned client sizes)."""
+convolution and a matmul), --measure_rounds (the planned round trained on synthetic images of
+the planned client sizes) and --hosts / --devices_per_host (per device and per host, today and once
+clients are placed, against a hand count; bad counts refused in one line)."""
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ from experiments import plan
 from fedjax_ssl.core import compilation
 from configs import quickstart
 from fedjax_ssl import configuration, experiment, tables
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.data import partition
 from tests import subprocess_env
 
@@ -75,6 +78,81 @@ def test_host_client_state_keeps_the_other_clients_off_the_device(device_plan):
   assert host['input_bytes'] == pytest.approx(
       device_plan['input_bytes'] - 4 * device_plan['stored_client_bytes'], rel=1e-6)
   assert host['alias_bytes'] == 0 and host['flops_per_round'] == device_plan['flops_per_round']
+
+
+# TINY's federated data by hand: 192 images of 32x32x3 uint8, 192 int32 labels, 6 int32 sizes and
+# 6 int32 offsets (no public set).
+TINY_DATA_BYTES = 192 * 32 * 32 * 3 + 192 * 4 + 6 * 4 * 2
+
+
+def _ceil_div(a, b):
+  return -(-a // b)
+
+
+def test_hosts_and_devices_divide_only_the_participants_today():
+  # 2 hosts x 2 GPUs, 4 participants: each device trains 1; the data and the 6 stored states are
+  # on every device whole, and every host loads the whole data.
+  p = plan.plan(_config(clients_per_round=4), hosts=2, devices_per_host=2)
+  one = plan.plan(_config(clients_per_round=1, strategy='vmap'))  # one device's program, by hand
+  assert (p['devices'], p['participants_per_device'], p['strategy'], p['map_chunk_size']) == (
+      4, 1, 'shard', 1)
+  assert p['replicated_data_bytes'] == TINY_DATA_BYTES
+  assert p['replicated_client_state_bytes'] == 6 * one['stored_client_bytes'] > 0
+  assert p['bytes_per_device'] == one['total_bytes'] == p['total_bytes']
+  assert p['input_bytes'] == one['input_bytes']  # the 6 stored states and the data, whole
+  assert p['bytes_per_host'] == TINY_DATA_BYTES   # GPU target, device-resident states
+  replicated = TINY_DATA_BYTES + 6 * one['stored_client_bytes']
+  assert p['bytes_per_device_when_placed'] == (one['total_bytes'] - replicated +
+                                               _ceil_div(replicated, 4))
+  assert p['bytes_per_host_when_placed'] == _ceil_div(TINY_DATA_BYTES, 2)
+  # FLOPs are the whole round's: 4 participants of 4 steps.
+  assert p['steps_per_round'] == 4 * (192 // 6 // 8)
+  assert p['fits'] and 'per host, today' in plan.text(p)
+  assert 'when client placement lands (issue 67 item 1, not built' in plan.text(p)
+
+
+def test_host_resident_states_are_in_every_process_and_on_a_cpu_target_so_are_its_devices():
+  # 1 CPU host with 2 devices, client_state 'host', 4 participants: each device's program trains
+  # 2, but all 4 participants' states arrive on every device (and leave it) replicated.
+  p = plan.plan(_config(clients_per_round=4, client_state='host'), hosts=1, devices_per_host=2,
+                target='cpu')
+  one = plan.plan(_config(clients_per_round=2, client_state='host', strategy='map',
+                          map_chunk_size=1), target='cpu')
+  s = one['stored_client_bytes']
+  assert p['participants_per_device'] == 2 and p['map_chunk_size'] == 1
+  assert p['bytes_per_device'] == one['total_bytes'] + 2 * (4 - 2) * s
+  assert p['bytes_per_device'] == (p['input_bytes'] + p['output_bytes'] - p['alias_bytes'] +
+                                   p['temp_bytes'] + p['generated_code_bytes'])
+  assert p['replicated_client_state_bytes'] == 4 * s
+  assert p['host_client_state_bytes'] == 6 * s
+  assert p['bytes_per_host'] == TINY_DATA_BYTES + 6 * s + 2 * p['bytes_per_device']
+  placed = p['bytes_per_device'] - (TINY_DATA_BYTES + 4 * s) + _ceil_div(TINY_DATA_BYTES + 4 * s, 2)
+  assert p['bytes_per_device_when_placed'] == placed
+  assert p['bytes_per_host_when_placed'] == TINY_DATA_BYTES + 6 * s + 2 * placed
+
+
+@pytest.mark.parametrize('hosts, devices, m, message', [
+    (0, 1, 4, '--hosts = 0 is invalid: must be an integer >= 1'),
+    (1, -2, 4, '--devices_per_host = -2 is invalid: must be an integer >= 1'),
+    (True, 1, 4, '--hosts = True is invalid: must be an integer >= 1'),
+    (1, 3, 4, "clients_per_round = 4 is invalid with --hosts=1 x --devices_per_host=3 = 3 devices: "
+              "strategy 'shard' gives every device the same number of participants, so it must be "
+              "a multiple of 3 (e.g. 3 or 6)"),
+    (2, 4, 4, 'a multiple of 8 (e.g. 8)'),
+])
+def test_bad_host_and_device_counts_are_refused(hosts, devices, m, message):
+  with pytest.raises(cv.ConfigError, match=re.escape(message)):
+    plan.check_topology(hosts, devices, m)
+
+
+def test_participants_that_do_not_divide_are_one_line_from_the_binary():
+  out = _run('--hosts=1', '--devices_per_host=4', '--config.clients_per_round=6')
+  assert out.returncode == 1 and not out.stdout
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: clients_per_round = 6 is invalid with --hosts=1 x --devices_per_host=4 = 4 devices: "
+      "strategy 'shard' gives every device the same number of participants, so it must be a "
+      "multiple of 4 (e.g. 4 or 8)")
+  assert 'Traceback' not in out.stderr
 
 
 def test_client_sizes_are_those_of_the_partition():

@@ -85,7 +85,7 @@ def test_noisy_mean_matches_a_per_client_numpy_loop(per_layer):
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=0, atol=F32_ATOL)
 
 
-@pytest.mark.parametrize('m,c,rounds', [(3, 10, 20), (10, 10, 7)])
+@pytest.mark.parametrize('m,c,rounds', [(3, 10, 20), (10, 10, 7), (50, 500, 1), (50, 500, 30)])
 def test_epsilon_equals_dp_accounting_called_directly(m, c, rounds):
   z, delta = 1.1, 1e-5
   gaussian = dp_accounting.GaussianDpEvent(z / 2)   # replace-one: sensitivity 2 S

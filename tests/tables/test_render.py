@@ -169,3 +169,29 @@ def test_per_client_results_become_spread_columns_and_absent_models_are_skipped(
   assert '| IL | 70.50 ± 0.71 | 1.50 ± 0.71 | 50.50 ± 0.71 | 90.50 ± 0.71 |' in md
   assert '| FL | 70.50 ± 0.71 |' in md
   assert 'Failed runs' not in md and '\n## kNN on the client' not in md   # no per-metric grid
+
+
+def test_a_dp_cell_reports_the_epsilon_its_runs_spent(tmp_path):
+  # results.json's 'dp' block (registry.dp_plan) of each seed goes to table.md's privacy section;
+  # a cell without DP has none.
+  table = make_table(rows={'DP': {'dp.enabled': True, 'dp.target_epsilon': 4.0},
+                           'plain': {}}, columns={'IID': dict(partition='iid')})
+  runs = tables.plan_runs(table, seeds=[0, 1])
+  for run in runs:
+    wd = run.workdir(tmp_path)
+    wd.mkdir(parents=True)
+    payload = {'final': {'probe_acc': 0.6}, 'random_init': {'probe_acc': 0.5}}
+    if run.cells[0][0] == 'DP':
+      payload['dp'] = {'noise_multiplier': 5.024, 'clip_norm': 0.5, 'per_layer': False,
+                       'delta': 1e-5, 'rounds': 100, 'accountant': 'rdp', 'planned_epsilon': 3.9999,
+                       'adjacency': 'replace_one (user level)',
+                       'sampling': '50 of 500 without replacement', 'epsilon': 3.9999 - run.seed}
+    (wd / 'results.json').write_text(json.dumps(payload))
+  summary = tables.summarize(table, runs, tmp_path)
+  md = tables.markdown(table, summary, [0, 1])
+  assert '## Privacy spent (DP-FedAvg, user level)' in md
+  assert ('| DP, IID | 4.000 | 1e-05 | 5.024 | 0.5 | 50 of 500 without replacement | 100 | rdp, '
+          'replace_one (user level) | 0,1 |') in md
+  assert '| plain, IID |' not in md
+  assert 'Privacy spent' not in tables.markdown(table, [e for e in summary if e['row'] == 'plain'],
+                                                [0, 1])
