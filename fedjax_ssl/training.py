@@ -540,10 +540,12 @@ def report(run: Run, outcome: Outcome, random_init: dict, raw_pixels) -> dict:
   rundir.write_results(results)
 
   accs = [k for k in _EVAL_KEYS if k in final]
+  # FedBuff hook (core/fedbuff.py): curves against the virtual clock when the rows carry it.
+  x_key, curve_records = plotting.time_axis(records)
   plotting.plot_metrics(
-      records, str(rundir.plot_file), keys=['loss'] + accs,
+      curve_records, str(rundir.plot_file), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {run.dataset.name} (round 0 = random init)',
-      hlines=_reference_lines(accs, random_init, raw_pixels))
+      hlines=_reference_lines(accs, random_init, raw_pixels), x_key=x_key)
   say = run.say
   if 'test_acc' in final:
     say(f'test accuracy (classifier): {final["test_acc"]:.4f} | random init '

@@ -252,6 +252,20 @@ def dp_plan(config: ml_collections.ConfigDict) -> Plan:
   return Plan('dp', summary, text, final_metrics=('epsilon',))
 
 
+def fedbuff_plan(config: ml_collections.ConfigDict) -> Plan:
+  """The FedBuff plan: results.json's 'fedbuff' block (its settings; the virtual clock of every
+  step is in metrics.jsonl)."""
+  f = config.fedbuff
+  summary = {k: f[k] for k in ('concurrency', 'buffer_size', 'latency', 'latency_sigma',
+                               'speed_sigma', 'staleness', 'staleness_exponent', 'hinge_a',
+                               'hinge_b')}
+  summary.update(server_steps=int(config.rounds), server_lr=float(config.server_lr))
+  text = (f'FedBuff: {f.concurrency} clients training at once, a server step every '
+          f'{f.buffer_size} arrivals ({config.rounds} steps), {f.staleness} staleness weight, '
+          f'{f.latency} latency (sigma {f.latency_sigma:g}, client speed sigma {f.speed_sigma:g})')
+  return Plan('fedbuff', summary, text)
+
+
 def check_objective(entry: Entry, name: str) -> None:
   """ConfigError unless algorithm `entry` accepts the objective `name` (its `methods` and `needs`)."""
   if entry.methods is not None and name not in entry.methods:
@@ -322,6 +336,8 @@ def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
   entry = get(config.algorithm)
   if dp_enabled(config):
     return dp_plan(config)  # only entries marked `dp` get here, none of which has its own plan
+  if fedbuff_enabled(config):
+    return fedbuff_plan(config)  # likewise (DP and FedBuff exclude each other)
   return None if entry.plan is None else entry.plan(config, info)
 
 
