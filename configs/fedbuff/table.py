@@ -13,16 +13,16 @@ rounds. FedBuff runs concurrency 10, buffer 5, the paper's staleness weight (1 +
 learning rate 1, for SERVER_STEPS steps: the largest count whose virtual time stays within the
 synchronous run's at every seed 0-2 (`fedbuff.virtual_times`), so FedBuff never has more virtual
 time than FedAvg. Each run's final virtual_time is in its metrics.jsonl.
-Time: about 1 h for 3 seeds on 2 shared CPU cores (docs/notes/engine.md#eng-77).
+Time: about 1 h for 3 seeds on 2 shared CPU cores, 15 min of it the references (docs/notes/engine.md#eng-77).
 """
 from configs import quickstart
 from fedjax_ssl import reproduce
 
 SCALES = ('quick',)
-SYNC_ROUNDS = 20
+SYNC_ROUNDS = 10
 # The largest FedBuff step count within the synchronous run's virtual time at each of seeds 0-2
-# (122, 138, 190 steps fit; docs/notes/engine.md#eng-77 has the command).
-SERVER_STEPS = 122
+# (66, 54, 97 steps fit; docs/notes/engine.md#eng-77 has the command).
+SERVER_STEPS = 54
 LATENCY = {'fedbuff.enabled': True, 'fedbuff.concurrency': 10, 'fedbuff.latency': 'lognormal',
            'fedbuff.latency_sigma': 1.0, 'fedbuff.speed_sigma': 0.5}
 
@@ -34,9 +34,9 @@ def get_table(scale: str) -> reproduce.Table:
   c.checkpoint_every = 10
   rows = {
       'FedAvg (synchronous)': dict(LATENCY, **{'fedbuff.buffer_size': 10, 'rounds': SYNC_ROUNDS,
-                                               'eval_every': 5}),
+                                               'eval_every': 2}),
       'FedBuff (P=10, B=5)': dict(LATENCY, **{'fedbuff.buffer_size': 5, 'rounds': SERVER_STEPS,
-                                              'eval_every': 30, 'checkpoint_every': 30}),
+                                              'eval_every': 10, 'checkpoint_every': 10}),
   }
   return reproduce.Table(
       name='fedbuff_quickstart',
