@@ -260,3 +260,22 @@ def test_run_identity_ignores_the_block_while_fedbuff_is_off():
   assert 'fedbuff' not in json.loads(run_identity.run_key(config))
   config.fedbuff.enabled = True
   assert json.loads(run_identity.run_key(config))['fedbuff']['buffer_size'] == 3
+
+
+def test_server_lr_is_the_papers_server_learning_rate():
+  """With server_optimizer 'sgd' at server_lr eta the step moves the parameters eta of the way to
+  the buffer's proposal (x + eta sum w s Delta), the BatchNorm statistics all the way (server_opt
+  steps only the parameters); the same schedule and clients as at eta = 1."""
+  full = _Run(_config())
+  half_config = _config()
+  half_config.server_lr = 0.5
+  half = _Run(half_config)
+  start = full.init()
+  (a, _), (b, _) = full.steps(start, 1), half.steps(half.init(), 1)
+  x0 = start.server['algorithm']
+  got = b.server['algorithm']['algorithm']
+  for x, p, h in zip(_flat(x0['params']), _flat(a.server['algorithm']['params']),
+                     _flat(got['params'])):
+    np.testing.assert_allclose(h, x + 0.5 * (p - x), rtol=0, atol=1e-6 * max(1.0, np.abs(p).max()))
+  for p, h in zip(_flat(a.server['algorithm']['batch_stats']), _flat(got['batch_stats'])):
+    np.testing.assert_allclose(h, p, rtol=0, atol=1e-6 * max(1.0, np.abs(p).max()))
