@@ -172,6 +172,19 @@ def pop_order(pool: Pool, count: int) -> jax.Array:
   return jnp.lexsort((pool.cid, pool.version, pool.finish))[:count].astype(jnp.int32)
 
 
+def busy_clients(pool: Pool, num_clients: int) -> jax.Array:
+  """bool [C]: the clients with an update in flight (in a pool slot that is not free)."""
+  in_flight = jnp.ones(pool.finish.shape, bool).at[pool.free].set(False)
+  return jnp.zeros((num_clients,), bool).at[pool.cid].max(in_flight)
+
+
+def advance(pool: Pool, order: jax.Array) -> Pool:
+  """The pool after popping the slots `order`: they are the next step's free slots, and the clock
+  is the last of their finish times."""
+  return pool._replace(free=order, clock=jnp.max(pool.finish[order]),
+                       present=pool.present.at[order].set(False))
+
+
 def init_pool(reference: Any, key: jax.Array, num_clients: int, fb: FedBuffConfig) -> Pool:
   """The empty pool: no pending update, clock 0; slots 0..B-1 are the first step's."""
   p = fb.concurrency
@@ -317,9 +330,7 @@ def make_step(algo: FedBuffAlgorithm, cfg: rd.RoundConfig, num_clients: int, *,
                           t)
         return c, pl
       clients, pool = jax.lax.cond(t == 0, prefill, lambda a: a, (clients, pool))
-    in_flight = jnp.ones((p,), bool).at[pool.free].set(False)
-    busy = jnp.zeros((num_clients,), bool).at[pool.cid].max(in_flight)
-    ids = sample_idle(key, busy, b)
+    ids = sample_idle(key, busy_clients(pool, num_clients), b)
     clients, pool, payloads, msg, slots, screened = start(clients, pool, server, ids, pool.free,
                                                          data, key, lr, t)
     order = pop_order(pool, b)
@@ -335,8 +346,8 @@ def make_step(algo: FedBuffAlgorithm, cfg: rd.RoundConfig, num_clients: int, *,
     aggregated = inner.aggregate(server, jax.tree_util.tree_map(lambda a: a[None], proposal),
                                  jnp.ones((1,), fdtype), pool.cid[order][:1])
     new_server = rd._keep_if_nobody(present, aggregated, server)
-    clock = jnp.max(pool.finish[order])
-    pool = pool._replace(free=order, clock=clock, present=pool.present.at[order].set(False))
+    pool = advance(pool, order)
+    clock = pool.clock
     metrics = {'loss': screened.loss, 'lr': lr,
                **comm.round_metrics(inner, msg, (payloads,), (b,), state, server),
                'virtual_time': clock, 'staleness_mean': jnp.mean(stale.astype(jnp.float32)),
@@ -354,7 +365,9 @@ def make_step(algo: FedBuffAlgorithm, cfg: rd.RoundConfig, num_clients: int, *,
 def virtual_times(fb: FedBuffConfig, init_key: jax.Array, run_key: jax.Array, num_clients: int,
                   steps: int) -> list:
   """The virtual clock after each of `steps` server steps, without training (the schedule does not
-  depend on the model): for choosing the step count that reaches a given virtual time."""
+  depend on the model): for choosing the step count that reaches a given virtual time. The same
+  draws and pool helpers as `make_step`, with one-float stand-ins for the deltas
+  (tests/core/test_fedbuff.py checks it against a run's logged clock)."""
   check(fb, num_clients)
   p, b = fb.concurrency, fb.buffer_size
   ref = jnp.zeros((1,), jnp.float32)
@@ -371,13 +384,10 @@ def virtual_times(fb: FedBuffConfig, init_key: jax.Array, run_key: jax.Array, nu
                     pl.clock + latencies(pkey, ids, pl.speed, fb), t, ids,
                     jnp.ones((p - b,), bool))
       pool = jax.lax.cond(t == 0, prefill, lambda a: a, pool)
-    in_flight = jnp.ones((p,), bool).at[pool.free].set(False)
-    busy = jnp.zeros((num_clients,), bool).at[pool.cid].max(in_flight)
-    ids = sample_idle(key, busy, b)
+    ids = sample_idle(key, busy_clients(pool, num_clients), b)
     pool = push(pool, pool.free, jnp.zeros((b, 1), jnp.float32),
                 pool.clock + latencies(key, ids, pool.speed, fb), t, ids, jnp.ones((b,), bool))
-    order = pop_order(pool, b)
-    return pool._replace(free=order, clock=jnp.max(pool.finish[order]))
+    return advance(pool, pop_order(pool, b))
 
   out = []
   for t in range(steps):
