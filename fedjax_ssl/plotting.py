@@ -80,6 +80,32 @@ def time_axis(records: Sequence[Mapping]) -> tuple:
                           for r in records]
 
 
+def plot_runs(runs: Mapping[str, Sequence[Mapping]], out_png: str, metric: str,
+              x_key: str = 'virtual_time', title: str | None = None) -> None:
+  """One line per run: `metric` against `x_key` (after `time_axis`, so round 0 sits at time 0),
+  for runs whose abscissas differ (FedBuff's virtual clock: each seed and row has its own).
+
+  Args:
+    runs: label -> that run's metrics records.
+    out_png: output path.
+  """
+  fig = Figure(figsize=PANEL_SIZE_IN, dpi=DPI, layout='constrained')
+  ax = fig.subplots()
+  for label, records in runs.items():
+    _, records = time_axis(records) if x_key == 'virtual_time' else (x_key, records)
+    points = sorted((r[x_key], r[metric]) for r in records if metric in r and x_key in r)
+    if points:
+      xs, ys = zip(*points)
+      ax.plot(xs, ys, marker='.', label=label)
+  ax.set_xlabel(x_key)
+  ax.set_ylabel(metric)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize='x-small')
+  if title:
+    ax.set_title(title, fontsize='small')
+  save_figure(fig, out_png)
+
+
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: float | None = None) -> None:
   """Writes `fig` to `path` (PNG) atomically, creating its directory: a reader, or a run killed
   mid-write, never leaves half a file. pyplot figures stay open; the caller closes them."""
