@@ -33,6 +33,7 @@ from fedjax_ssl.data import augment, info as data_info, partition, sources
 from fedjax_ssl.data.info import DatasetInfo
 from fedjax_ssl.eval import finetune
 from fedjax_ssl.ops import dp_fedavg
+from fedjax_ssl.core import fedbuff
 
 PARTITIONS = ('iid', 'dirichlet', 'classes')
 # The server optimizer's keys and defaults (core/server_opt.py): 'sgd' at server_lr 1 is plain
@@ -114,6 +115,15 @@ def default_config() -> ml_collections.ConfigDict:
   c.dp = ml_collections.ConfigDict(dict(enabled=False, clip_norm=1.0, per_layer=False,
                                         noise_multiplier=0.0, delta=1e-5, target_epsilon=0.0,
                                         accountant='rdp'))
+  # Buffered asynchronous aggregation, FedBuff (core/fedbuff.py) for the same algorithms as dp:
+  # `concurrency` clients train at once, the server updates when `buffer_size` updates arrived,
+  # each weighted by staleness (constant | polynomial (1+s)^-staleness_exponent | hinge
+  # hinge_a, hinge_b); latency speed_c * LogNormal(0, latency_sigma) per training ('lognormal') or
+  # speed_c ('constant'), speed_c ~ LogNormal(0, speed_sigma) once per client. `rounds` counts
+  # server steps; server_lr is the paper's eta_g. Every metrics row gets `virtual_time`.
+  c.fedbuff = ml_collections.ConfigDict(dict(
+      enabled=False, concurrency=10, buffer_size=5, latency='lognormal', latency_sigma=1.0,
+      speed_sigma=0.0, staleness='polynomial', staleness_exponent=0.5, hinge_a=10.0, hinge_b=4.0))
   c.strategy = 'auto'             # auto | vmap | map | shard
   c.map_chunk_size = 1
   # Under vmap, regroup the participants still training into a batch this many times narrower
@@ -261,6 +271,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         f"{', '.join(n for n in ssl.names() if ssl.get(n).predictor)})")
   _check_server_optimizer(config)
   _check_dp(config)
+  _check_fedbuff(config)
   cv.check_float_range('knn_temperature', config.knn_temperature, 0.0, None,
                        inclusive=(False, True))
   cv.check_float_range('probe_lr', config.probe_lr, 0.0, None, inclusive=(False, True))
@@ -347,6 +358,25 @@ def _check_dp(config: ml_collections.ConfigDict) -> None:
                          f'{config.clients_per_round} < num_clients = {config.num_clients}: '
                          "dp-accounting's PLD cannot account sampling without replacement; use "
                          "'rdp' or full participation")
+
+
+def _check_fedbuff(config: ml_collections.ConfigDict) -> None:
+  """config.fedbuff (core/fedbuff.py), checked whether or not it is enabled; with it on, the
+  settings FedBuff cannot run with."""
+  try:
+    fedbuff.check(algorithms.registry.fedbuff_config(config),
+                  config.num_clients if config.fedbuff.enabled else None)
+  except ValueError as e:
+    raise cv.ConfigError(f'config.{e}') from None
+  if not config.fedbuff.enabled:
+    return
+  if config.dp.enabled:
+    raise cv.ConfigError('config.fedbuff.enabled = True is invalid with config.dp.enabled = True: '
+                         'DP-FedAvg accounts synchronous rounds of a fixed cohort; turn one off')
+  if config.client_state != 'device':
+    raise cv.ConfigError(f'config.client_state = {config.client_state!r} is invalid with '
+                         "config.fedbuff.enabled = True: the pending updates live on the device; "
+                         "use 'device'")
 
 
 _ONE_SOURCE = sources.SINGLE_SOURCE_NAMES

@@ -32,7 +32,7 @@ from fedjax_ssl import algorithms, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.configuration import (default_config, round_config,  # noqa: F401
                                       validate_config)
-from fedjax_ssl.core import autotune, export_cache, rng, strategies
+from fedjax_ssl.core import autotune, export_cache, fedbuff, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
@@ -155,13 +155,19 @@ def choose_strategy(config: ml_collections.ConfigDict, algo: Algorithm, fed_data
   round_cfg = round_config(config)
 
   def make_step(strategy, chunk):
+    if isinstance(algo, fedbuff.FedBuffAlgorithm):  # FedBuff's server step (not exported)
+      return fedbuff.make_step(
+          algo, dataclasses.replace(round_cfg, strategy=strategy, map_chunk_size=chunk),
+          config.num_clients)
     step = rd.make_round_step(
         algo, dataclasses.replace(round_cfg, strategy=strategy, map_chunk_size=chunk),
         config.num_clients)
     return exported_step(config, algo, step, strategy, chunk, cache_dir)
   keys = [rng.round_key(run_key, 2**31 - 1 - i) for i in range(1 + autotune.TIMED_ROUNDS)]
   choice, step = autotune.resolve(
-      config.strategy, config.map_chunk_size, participants=config.clients_per_round,
+      config.strategy, config.map_chunk_size,
+      participants=(config.fedbuff.buffer_size if algorithms.registry.fedbuff_enabled(config)
+                    else config.clients_per_round),
       description=strategy_program(config, fed_data), cache_dir=cache_dir, stored=stored,
       make_step=make_step, fresh_state=fresh_state, fed_data=fed_data, keys=keys)
   return choice, step or make_step(choice.strategy, choice.map_chunk_size)

@@ -50,6 +50,8 @@ UNUSED_WHEN = {
     'test_fraction': lambda c: c.dataset != 'folder',
     # DP-FedAvg off: the block is read by nothing, so runs from before it keep their identity.
     'dp': lambda c: not ('dp' in c and c.dp.enabled),
+    # FedBuff off: likewise (core/fedbuff.py).
+    'fedbuff': lambda c: not ('fedbuff' in c and c.fedbuff.enabled),
 }
 
 # Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'

@@ -31,7 +31,7 @@ import ml_collections
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import ssl
-from fedjax_ssl.core import server_opt
+from fedjax_ssl.core import fedbuff, server_opt
 from fedjax_ssl.ops import dp_fedavg
 
 
@@ -184,6 +184,11 @@ def validate(config: ml_collections.ConfigDict, dataset_info: Any = None) -> Non
     raise cv.ConfigError(f'config.dp.enabled = True is invalid for algorithm {entry.name!r}: '
                          + (entry.dp_refusal or 'its aggregate is not registered as a weighted '
                             'mean of every upload (registry dp=False)'))
+  if fedbuff_enabled(config) and not entry.dp:
+    raise cv.ConfigError(f'config.fedbuff.enabled = True is invalid for algorithm {entry.name!r}: '
+                         + (entry.dp_refusal or 'its aggregate is not registered as a weighted '
+                            'mean of every upload (registry dp=False)')
+                         + '; FedBuff applies staleness-weighted update differences to such a mean')
   if entry.validate is not None:
     entry.validate(config, dataset_info)
 
@@ -192,6 +197,20 @@ def dp_enabled(config: ml_collections.ConfigDict) -> bool:
   """Whether the run is user-level DP-FedAvg (`config.dp.enabled`; a config without the block:
   no)."""
   return 'dp' in config and bool(config.dp.enabled)
+
+
+def fedbuff_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run is FedBuff (`config.fedbuff.enabled`; a config without the block: no)."""
+  return 'fedbuff' in config and bool(config.fedbuff.enabled)
+
+
+def fedbuff_config(config: ml_collections.ConfigDict) -> fedbuff.FedBuffConfig:
+  """config.fedbuff as core/fedbuff.py's FedBuffConfig (ValueError on a bad value)."""
+  f = config.fedbuff
+  return fedbuff.FedBuffConfig(
+      concurrency=f.concurrency, buffer_size=f.buffer_size, latency=f.latency,
+      latency_sigma=f.latency_sigma, speed_sigma=f.speed_sigma, staleness=f.staleness,
+      staleness_exponent=f.staleness_exponent, hinge_a=f.hinge_a, hinge_b=f.hinge_b)
 
 
 def dp_noise_multiplier(config: ml_collections.ConfigDict) -> float:
@@ -233,6 +252,20 @@ def dp_plan(config: ml_collections.ConfigDict) -> Plan:
   return Plan('dp', summary, text, final_metrics=('epsilon',))
 
 
+def fedbuff_plan(config: ml_collections.ConfigDict) -> Plan:
+  """The FedBuff plan: results.json's 'fedbuff' block (its settings; the virtual clock of every
+  step is in metrics.jsonl)."""
+  f = config.fedbuff
+  summary = {k: f[k] for k in ('concurrency', 'buffer_size', 'latency', 'latency_sigma',
+                               'speed_sigma', 'staleness', 'staleness_exponent', 'hinge_a',
+                               'hinge_b')}
+  summary.update(server_steps=int(config.rounds), server_lr=float(config.server_lr))
+  text = (f'FedBuff: {f.concurrency} clients training at once, a server step every '
+          f'{f.buffer_size} arrivals ({config.rounds} steps), {f.staleness} staleness weight, '
+          f'{f.latency} latency (sigma {f.latency_sigma:g}, client speed sigma {f.speed_sigma:g})')
+  return Plan('fedbuff', summary, text)
+
+
 def check_objective(entry: Entry, name: str) -> None:
   """ConfigError unless algorithm `entry` accepts the objective `name` (its `methods` and `needs`)."""
   if entry.methods is not None and name not in entry.methods:
@@ -269,7 +302,8 @@ def server_optimizer(config: ml_collections.ConfigDict):
 
 
 def build(config: ml_collections.ConfigDict, info: Any) -> Any:
-  """The configured Algorithm (`config` already validated), with its server optimizer."""
+  """The configured Algorithm (`config` already validated), with its server optimizer and, with
+  `config.fedbuff`, FedBuff's pool on its server (core/fedbuff.py)."""
   algo = get(config.algorithm).build(config, info)
   if dp_enabled(config):  # epsilon spent so far in every metrics row (ops/dp_fedavg.py)
     ledger = dp_fedavg.DpLedger(dp_noise_multiplier(config), config.clients_per_round,
@@ -279,12 +313,22 @@ def build(config: ml_collections.ConfigDict, info: Any) -> Any:
         own(state) if own is not None else {}, **ledger.host_metrics(state)))
   tx = server_optimizer(config)
   if tx is None:
-    return algo
+    return _with_fedbuff(config, algo)
   if algo.global_model is None:
     raise cv.ConfigError(f'config.server_optimizer = {config.server_optimizer!r} is invalid for '
                          f'algorithm {config.algorithm!r}: its Algorithm declares no global_model '
                          "to step; declare one or use 'sgd' with server_lr = 1.0")
-  return server_opt.wrap(algo, tx)
+  return _with_fedbuff(config, server_opt.wrap(algo, tx))
+
+
+def _with_fedbuff(config: ml_collections.ConfigDict, algo: Any) -> Any:
+  """`algo` with FedBuff's pending pool on its server (core/fedbuff.py) when it is on."""
+  if not fedbuff_enabled(config):
+    return algo
+  try:
+    return fedbuff.wrap(algo, fedbuff_config(config), config.num_clients)
+  except ValueError as e:
+    raise cv.ConfigError(str(e)) from None
 
 
 def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
@@ -292,6 +336,8 @@ def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
   entry = get(config.algorithm)
   if dp_enabled(config):
     return dp_plan(config)  # only entries marked `dp` get here, none of which has its own plan
+  if fedbuff_enabled(config):
+    return fedbuff_plan(config)  # likewise (DP and FedBuff exclude each other)
   return None if entry.plan is None else entry.plan(config, info)
 
 

@@ -52,14 +52,15 @@ def plot_metrics(records: Sequence[Mapping], out_png: str, keys: Sequence[str],
                layout='constrained')
   axes = fig.subplots(1, len(present), squeeze=False)[0]
   for ax, key in zip(axes, present):
-    points = sorted((r[x_key], r[key]) for r in records if key in r)
+    points = sorted((r[x_key], r[key]) for r in records if key in r and x_key in r)
     xs, ys = zip(*points)
     ax.plot(xs, ys, marker='o' if len(xs) <= 50 else None, markersize=3, label=key)
     for i, (label, value) in enumerate(hlines.get(key, {}).items()):
       ax.axhline(value, color=f'C{i + 1}', linestyle='--', linewidth=1,
                  label=f'{label} ({value:.4g})')
     ax.set_xlabel(x_key)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are integers
+    if x_key == 'round':
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are integers
     ax.set_title(key)
     ax.grid(alpha=0.3)
     if key in hlines:
@@ -68,6 +69,41 @@ def plot_metrics(records: Sequence[Mapping], out_png: str, keys: Sequence[str],
     fig.suptitle(title)
   save_figure(fig, out_png)
   return present
+
+
+def time_axis(records: Sequence[Mapping]) -> tuple:
+  """(x_key, records) for a run's curves: 'virtual_time' when its rows carry the simulated clock
+  (FedBuff, core/fedbuff.py; round 0, the random-init row, at time 0), else 'round'."""
+  if not any('virtual_time' in r for r in records):
+    return 'round', list(records)
+  return 'virtual_time', [dict(r, virtual_time=0.0) if r.get('round') == 0 else r
+                          for r in records]
+
+
+def plot_runs(runs: Mapping[str, Sequence[Mapping]], out_png: str, metric: str,
+              x_key: str = 'virtual_time', title: str | None = None) -> None:
+  """One line per run: `metric` against `x_key` (after `time_axis`, so round 0 sits at time 0),
+  for runs whose abscissas differ (FedBuff's virtual clock: each seed and row has its own).
+
+  Args:
+    runs: label -> that run's metrics records.
+    out_png: output path.
+  """
+  fig = Figure(figsize=PANEL_SIZE_IN, dpi=DPI, layout='constrained')
+  ax = fig.subplots()
+  for label, records in runs.items():
+    _, records = time_axis(records) if x_key == 'virtual_time' else (x_key, records)
+    points = sorted((r[x_key], r[metric]) for r in records if metric in r and x_key in r)
+    if points:
+      xs, ys = zip(*points)
+      ax.plot(xs, ys, marker='.', label=label)
+  ax.set_xlabel(x_key)
+  ax.set_ylabel(metric)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize='x-small')
+  if title:
+    ax.set_title(title, fontsize='small')
+  save_figure(fig, out_png)
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, dpi: float | None = None) -> None:

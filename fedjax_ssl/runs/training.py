@@ -359,10 +359,11 @@ def report(run: Run, outcome: Outcome, refs: References, *,
         setup_compile_seconds=setup_compile_seconds)
   rundir.write_results(record)
   accs = [k for k in results.EVAL_KEYS if k in final]
+  x_key, curve_records = plotting.time_axis(records)  # FedBuff's rows: against the virtual clock
   plotting.plot_metrics(
-      records, str(rundir.plot_file), keys=['loss'] + accs,
+      curve_records, str(rundir.plot_file), keys=['loss'] + accs,
       title=f'{algo.name} / {config.ssl_method} on {run.dataset.name} (round 0 = random init)',
-      hlines=refs.lines(accs))
+      hlines=refs.lines(accs), x_key=x_key)
   for line in results.closing_lines(config, final, refs, record['communication'], rundir):
     run.console.say(line)
   return record

@@ -13,7 +13,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from fedjax_ssl.runs.logging_utils import MetricsWriter, progress, read_metrics
-from fedjax_ssl.runs.plotting import plot_metrics, save_figure
+from fedjax_ssl.runs.plotting import plot_metrics, plot_runs, save_figure, time_axis
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -209,3 +209,16 @@ def test_metrics_png_draws_the_random_init_and_raw_pixel_references():
                    'probe_acc': {'random-init encoder': 0.82, 'raw pixels': 0.84}}
   assert References({'knn_acc': 0.75}, None).lines(['knn_acc']) == {
       'knn_acc': {'random-init encoder': 0.75}}
+
+
+def test_time_axis_and_plot_runs_against_virtual_time(tmp_path):
+  """Rows with FedBuff's clock are drawn against it, the random-init row at time 0; rows without
+  one keep rounds."""
+  plain = [{'round': 0, 'knn_acc': 0.5}, {'round': 1, 'knn_acc': 0.6}]
+  assert time_axis(plain) == ('round', plain)
+  timed = [{'round': 0, 'knn_acc': 0.5}, {'round': 1, 'virtual_time': 2.5, 'knn_acc': 0.6}]
+  key, records = time_axis(timed)
+  assert key == 'virtual_time' and [r['virtual_time'] for r in records] == [0.0, 2.5]
+  out = tmp_path / 'runs.png'
+  plot_runs({'a': timed, 'b': [dict(r, knn_acc=0.7) for r in timed]}, str(out), 'knn_acc')
+  assert matplotlib.image.imread(str(out)).shape[2] in (3, 4)
