@@ -16,7 +16,7 @@ time than FedAvg. Each run's final virtual_time is in its metrics.jsonl.
 Time: about 1 h for 3 seeds on 2 shared CPU cores, 15 min of it the references (docs/notes/engine.md#eng-77).
 """
 from configs import quickstart
-from fedjax_ssl import reproduce
+from fedjax_ssl import tables
 
 SCALES = ('quick',)
 SYNC_ROUNDS = 10
@@ -27,7 +27,7 @@ LATENCY = {'fedbuff.enabled': True, 'fedbuff.concurrency': 10, 'fedbuff.latency'
            'fedbuff.latency_sigma': 1.0, 'fedbuff.speed_sigma': 0.5}
 
 
-def get_table(scale: str) -> reproduce.Table:
+def get_table(scale: str) -> tables.Table:
   del scale
   c = quickstart.get_config()
   c.train_size = 5000
@@ -38,7 +38,7 @@ def get_table(scale: str) -> reproduce.Table:
       'FedBuff (P=10, B=5)': dict(LATENCY, **{'fedbuff.buffer_size': 5, 'rounds': SERVER_STEPS,
                                               'eval_every': 10, 'checkpoint_every': 10}),
   }
-  return reproduce.Table(
+  return tables.Table(
       name='fedbuff_quickstart',
       title='Synchronous FedAvg vs FedBuff at equal virtual time (FedSimCLR, Fashion-MNIST 5k, '
             '10 clients, log-normal latency)',
@@ -48,11 +48,11 @@ def get_table(scale: str) -> reproduce.Table:
              f'runs {SERVER_STEPS} server steps of 5 clients against {SYNC_ROUNDS} rounds of 10, '
              'within the same virtual time at every seed. Random-init encoder and raw pixels come '
              'with every run.'),
-      claims=(reproduce.Claim('FedBuff > synchronous FedAvg at equal virtual time (probe)',
-                              'FedBuff (P=10, B=5)', 'FedAvg (synchronous)', 'probe_acc'),
-              reproduce.Claim('FedBuff > synchronous FedAvg at equal virtual time (kNN)',
-                              'FedBuff (P=10, B=5)', 'FedAvg (synchronous)', 'knn_acc'),
-              reproduce.Claim('FedBuff learns (probe over its random init)',
-                              'FedBuff (P=10, B=5)', reproduce.RANDOM_INIT, 'probe_acc'),
-              reproduce.Claim('FedAvg learns (probe over its random init)',
-                              'FedAvg (synchronous)', reproduce.RANDOM_INIT, 'probe_acc')))
+      claims=(tables.Claim('FedBuff > synchronous FedAvg at equal virtual time (probe)',
+                           'FedBuff (P=10, B=5)', 'FedAvg (synchronous)', 'probe_acc'),
+              tables.Claim('FedBuff > synchronous FedAvg at equal virtual time (kNN)',
+                           'FedBuff (P=10, B=5)', 'FedAvg (synchronous)', 'knn_acc'),
+              tables.Claim('FedBuff learns (probe over its random init)',
+                           'FedBuff (P=10, B=5)', tables.RANDOM_INIT, 'probe_acc'),
+              tables.Claim('FedAvg learns (probe over its random init)',
+                           'FedAvg (synchronous)', tables.RANDOM_INIT, 'probe_acc')))
