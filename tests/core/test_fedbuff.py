@@ -13,7 +13,7 @@ import pytest
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import experiment
-from fedjax_ssl.checkpoint import Checkpointer
+from fedjax_ssl.runs.checkpoint import Checkpointer
 from fedjax_ssl.core import fedbuff, rng
 from fedjax_ssl.core import round as rd
 from tests.algorithms.test_registry import _small_config
