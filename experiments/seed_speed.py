@@ -67,7 +67,13 @@ def jax_config(s: torch_seeds.Setting, precision: str, map_chunk: int):
   c.algorithm = s.method
   c.ssl_method = 'sc' if s.method == 'fedsc' else 'byol'
   c.encoder = s.cohorts[0][0]
-  c.heads = _HEAD_PRESET[s.heads]
+  if s.heads in _HEAD_PRESET:
+    c.heads = _HEAD_PRESET[s.heads]
+  else:  # sizes of no preset (the tests' tiny heads): the custom heads, one BatchNorm choice
+    (c.proj_hidden, c.proj_out, c.head_bn), pred = s.heads
+    c.heads = 'custom'
+    if pred:
+      c.pred_hidden, c.pred_out = pred[:2]
   c.num_clients = c.clients_per_round = s.clients
   c.partition = 'iid'
   c.local_epochs, c.batch_size = s.local_epochs, s.batch

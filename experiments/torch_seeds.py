@@ -782,9 +782,13 @@ def build_round(setting: Setting, *, mode: str = 'loop', precision: str = 'float
               mu = min(c['scaler'][k] * c['divergence'][k], 1.0)
               for (_, pl), (_, pg) in zip(local.named_parameters(), glob.named_parameters()):
                 pl.mul_(mu).add_(pg, alpha=1 - mu)
+              for (name, bl), (_, bg) in zip(local.named_buffers(), glob.named_buffers()):
+                if not name.startswith('predictor.') or mu <= 0.5:  # EasyFL's BN statistics
+                  bl.copy_(bg)
           start = copy.deepcopy(local)
           loss = train(local, target, _sgd(s, local.parameters()), data, 1)
-          d = float(conv_divergence(start, local))
+          with torch.no_grad():
+            d = float(conv_divergence(start, local))
           c['divergence'][k] = d
           if c['scaler'][k] == 0.0:
             c['scaler'][k] = s.get('autoscaler_tau') / max(d, 1e-12)
