@@ -11,7 +11,7 @@ batch, local epochs and optimiser, and `reduced_settings` the CPU size): every c
 epochs of --batches batches of B images (the papers' clients hold more: each row reports the
 factor `paper_batches / batches` by which a paper round's local work is larger, and the estimate
 `paper_round_seconds` = measured seconds x that factor, which also scales the round's fixed server
-costs and so errs high; docs/notes/performance.md#perf-73).
+costs and so errs high; docs/notes/performance.md#perf-73); the reduced scale reports no estimate.
 
 Variants (--variants), timed interleaved after one warm-up round each, median of --repeats:
   * `ours` / `ours_bf16`: the method's round step (fedjax_ssl.core.round) at config.precision
@@ -21,7 +21,8 @@ Variants (--variants), timed interleaved after one warm-up round each, median of
   * `torch` / `torch_bf16`: the official codes' eager per-client loop (TF32 on a GPU; bf16
     autocast), experiments/torch_seeds.py mode 'loop';
   * `torch_union`: one model per architecture on the union batch, the method's terms per client
-    block, bf16 autocast, channels_last (mode 'union'): the bound stacking should approach.
+    block, bf16 autocast, channels_last (mode 'union'): the bound stacking should approach;
+    `torch_union_fp32` the same in float32 (the CPU's, where bf16 autocast is no speed-up).
 Synthetic data (the timing does not depend on pixel values). Each row's `ratios` holds our fastest
 variant against the fastest eager loop (speed-up) and against `torch_union` (time ratio).
 """
@@ -46,10 +47,11 @@ from fedjax_ssl.data.types import Dataset, FedData
 
 FLAGS = flags.FLAGS
 
-VARIANTS = ('ours', 'ours_bf16', 'torch', 'torch_bf16', 'torch_union')
+VARIANTS = ('ours', 'ours_bf16', 'torch', 'torch_bf16', 'torch_union', 'torch_union_fp32')
 TORCH_VARIANTS = {'torch': dict(mode='loop', precision='float32'),
                   'torch_bf16': dict(mode='loop', precision='bfloat16'),
-                  'torch_union': dict(mode='union', precision='bfloat16', channels_last=True)}
+                  'torch_union': dict(mode='union', precision='bfloat16', channels_last=True),
+                  'torch_union_fp32': dict(mode='union', precision='float32')}
 SCALES = ('paper', 'reduced')
 # Batches of B per client and epoch in the papers' splits (50,000 CIFAR-10 training images; Hetero-
 # SSFL's 45,000 after its 5,000-image RAD): 5,000 / 128, 500 / 128, 5,000 / 512 (the ragged last
@@ -153,9 +155,10 @@ def prepare_torch(s: torch_seeds.Setting, variant: str) -> Dict[str, Any]:
   return p
 
 
-def time_setting(s: torch_seeds.Setting, variants: List[str], repeats: int, map_chunk: int
-                 ) -> Dict[str, Any]:
-  """Every variant of `s` prepared, then their timed rounds interleaved (round r of each)."""
+def time_setting(s: torch_seeds.Setting, variants: List[str], repeats: int, map_chunk: int,
+                 estimate: bool = True) -> Dict[str, Any]:
+  """Every variant of `s` prepared, then their timed rounds interleaved (round r of each); with
+  `estimate` (paper scale) each variant's paper-round seconds and GPU hours (module docstring)."""
   prepared = {}
   for v in variants:
     if v.startswith('torch'):
@@ -174,9 +177,10 @@ def time_setting(s: torch_seeds.Setting, variants: List[str], repeats: int, map_
     sec = statistics.median(p['times'])
     loss = p['loss'] if 'loss' in p else float(p['metrics']['loss'])
     out[v] = {'seconds_per_round': sec, 'first_round_seconds': p['first'],
-              'all_seconds': p['times'], 'loss': loss,
-              'paper_round_seconds': sec * factor,
-              'paper_gpu_hours': sec * factor * PAPER_ROUNDS[s.name] / 3600}
+              'all_seconds': p['times'], 'loss': loss}
+    if estimate:
+      out[v].update(paper_round_seconds=sec * factor,
+                    paper_gpu_hours=sec * factor * PAPER_ROUNDS[s.name] / 3600)
   return out
 
 
@@ -188,8 +192,9 @@ def ratios(results: Dict[str, Any]) -> Dict[str, float]:
   out = {}
   if ours and loops:
     out['speedup_vs_eager_loop'] = min(loops) / min(ours)
-  if ours and 'torch_union' in t:
-    out['time_vs_union'] = min(ours) / t['torch_union']
+  unions = [t[v] for v in ('torch_union', 'torch_union_fp32') if v in t]
+  if ours and unions:
+    out['time_vs_union'] = min(ours) / min(unions)
   return out
 
 
@@ -233,7 +238,8 @@ def main(argv):
   rows = []
   for name in FLAGS.settings:
     s = settings[name]
-    results = time_setting(s, list(FLAGS.variants), FLAGS.repeats, min(FLAGS.map_chunk, s.clients))
+    results = time_setting(s, list(FLAGS.variants), FLAGS.repeats,
+                           min(FLAGS.map_chunk, s.clients), estimate=FLAGS.scale == 'paper')
     row = {'setting': name, 'spec': {k: v for k, v in vars(s).items() if k != 'extra'},
            'extra': dict(s.extra), 'paper_batches': PAPER_BATCHES[name],
            'paper_rounds': PAPER_ROUNDS[name], 'results': results, 'ratios': ratios(results)}

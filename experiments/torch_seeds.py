@@ -515,7 +515,7 @@ def conv_divergence(before, after):
 def simplex_min_norm(gram, iters: int = 2000):
   """argmin_{p in simplex} pT G p by accelerated projected gradient (ops.min_norm 'exact'), float64."""
   torch = _nn()['torch']
-  g = gram.double()
+  g = gram.detach().double().cpu()  # [m, m]: on the host, as the code's numpy solver
   k = g.shape[0]
   step = 1.0 / max(float(torch.linalg.eigvalsh(g).max()), 1e-30)
 
@@ -533,7 +533,7 @@ def simplex_min_norm(gram, iters: int = 2000):
     t_new = (1 + math.sqrt(1 + 4 * t * t)) / 2
     y = p_new + (t - 1) / t_new * (p_new - p)
     p, t = p_new, t_new
-  return p
+  return p.to(gram.device)
 
 
 def eua_coefficients(gram_dev, server_lr: float):
