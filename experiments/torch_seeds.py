@@ -342,13 +342,16 @@ def _flat(tree, prefix=()):
       yield prefix + (k,), v
 
 
-def _torch_name(path: Tuple[str, ...], stats: bool) -> str:
+def _torch_name(path: Tuple[str, ...], stats: bool, names) -> str:
+  """The torch name of flax variable `path` among `names`: kernel / scale -> weight (a Fixup
+  scalar named 'scale' keeps its name), mean / var -> running_mean / running_var."""
   last = path[-1]
   if stats:
     last = {'mean': 'running_mean', 'var': 'running_var'}[last]
   else:
     last = {'kernel': 'weight', 'scale': 'weight'}.get(last, last)
-  return '.'.join(path[:-1] + (last,))
+  name = '.'.join(path[:-1] + (last,))
+  return name if name in names or stats else '.'.join(path)
 
 
 def _to_torch(value, shape):
@@ -374,7 +377,7 @@ def load_flax(module, params, batch_stats=None) -> None:
   seen = set()
   for tree, stats in trees:
     for path, value in _flat(tree):
-      name = _torch_name(path, stats)
+      name = _torch_name(path, stats, state)
       if name not in state:
         raise ValueError(f'flax variable {"/".join(path)} has no torch twin {name!r}')
       state[name] = torch.from_numpy(_to_torch(value, state[name].shape).copy())
@@ -392,7 +395,7 @@ def flax_grads(module, params) -> Dict:
   named = dict(module.named_parameters())
 
   def one(path, value):
-    g = named[_torch_name(path, False)].grad
+    g = named[_torch_name(path, False, named)].grad
     a = np.zeros(np.shape(value), np.float32) if g is None else g.detach().cpu().numpy()
     if a.ndim == 4:
       a = a.transpose(2, 3, 1, 0)

@@ -61,10 +61,13 @@ def test_models_match_flax(encoder, heads):
   t = ts.make_online(encoder, ts.HEADS[heads], HW)
   ts.load_flax(t, params, v.get('batch_stats'))
   z, p = t(_nchw(x))
-  # float32 convolutions summed in another order through 8-20 layers: 1e-4 of the output scale.
-  np.testing.assert_allclose(z.detach().numpy(), out['z'], rtol=1e-3, atol=1e-4)
-  if p is not None:
-    np.testing.assert_allclose(p.detach().numpy(), out['p'], rtol=1e-3, atol=1e-4)
+  # float32 convolutions summed in another order through 20 layers; train-mode BatchNorm over 4
+  # images of 1x1 pixels in the last stage divides by the spread of 4 numbers, which amplifies
+  # that rounding up to ~100x: 1e-3 of the output's scale (measured: 1e-4 ResNet-18, 3e-7 Fixup).
+  for got, want in ((z, out['z']), (p, out.get('p'))):
+    if want is not None:
+      err = np.max(np.abs(got.detach().numpy() - np.asarray(want)))
+      assert err <= 1e-3 * np.max(np.abs(want)), (err, np.max(np.abs(want)))
 
 
 def _tiny(method: str):
@@ -206,7 +209,8 @@ def test_conv_divergence_matches_jax():
   ts.load_flax(a, v['params'])
   ts.load_flax(b, after)
   want = divergence.conv_divergence(v['params']['encoder'], after['encoder'])
-  np.testing.assert_allclose(float(ts.conv_divergence(a, b)), float(want), rtol=1e-5)
+  # float32 sums of squares over up to 2.4M entries a kernel: ~sqrt(N) eps = 1e-4 relative.
+  np.testing.assert_allclose(float(ts.conv_divergence(a, b)), float(want), rtol=1e-4)
 
 
 @pytest.mark.parametrize('name', list(ts.reduced_settings()))
