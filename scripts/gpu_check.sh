@@ -31,7 +31,7 @@
 #                                     # at their papers' model, image, batch and E (one batch per
 #                                     # epoch): our round in bf16 beside the eager PyTorch loop
 #                                     # written as the official codes (TF32) and the union-batch
-#                                     # model (bf16), one process per method (PERF-73)
+#                                     # model (bf16), one process per method (PERF-76)
 #   bash scripts/gpu_check.sh auto    # the train binary (configs/gpu_round.py, bf16): a first run
 #                                     # measures strategy='auto' and compiles; a second run of the
 #                                     # same config reads both caches
