@@ -516,27 +516,29 @@ def conv_divergence(before, after):
 
 
 def simplex_min_norm(gram, iters: int = 2000):
-  """argmin_{p in simplex} pT G p by accelerated projected gradient (ops.min_norm 'exact'), float64."""
+  """argmin_{p in simplex} pT G p by accelerated projected gradient (ops.min_norm 'exact'), in
+  float64 numpy on the host (the FedU2 code's solver is numpy too; an [m, m] problem)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
   torch = _nn()['torch']
-  g = gram.detach().double().cpu()  # [m, m]: on the host, as the code's numpy solver
+  g = gram.detach().double().cpu().numpy()
   k = g.shape[0]
-  step = 1.0 / max(float(torch.linalg.eigvalsh(g).max()), 1e-30)
+  step = 1.0 / max(float(np.linalg.eigvalsh(g).max()), 1e-30)
+  idx = np.arange(1, k + 1)
 
   def project(v):
-    u, _ = torch.sort(v, descending=True)
-    css = torch.cumsum(u, 0) - 1
-    idx = torch.arange(1, k + 1, dtype=v.dtype, device=v.device)
-    rho = int(torch.nonzero(u - css / idx > 0).max())
-    return (v - css[rho] / (rho + 1)).clamp_min(0)
+    u = np.sort(v)[::-1]
+    css = np.cumsum(u) - 1
+    rho = int(np.nonzero(u - css / idx > 0)[0].max())
+    return np.maximum(v - css[rho] / (rho + 1), 0)
 
-  p = y = torch.full((k,), 1.0 / k, dtype=g.dtype, device=g.device)
+  p = y = np.full(k, 1.0 / k)
   t = 1.0
   for _ in range(iters):
     p_new = project(y - step * (g @ y))
     t_new = (1 + math.sqrt(1 + 4 * t * t)) / 2
     y = p_new + (t - 1) / t_new * (p_new - p)
     p, t = p_new, t_new
-  return p.to(gram.device)
+  return torch.from_numpy(p).to(gram.device)
 
 
 def eua_coefficients(gram_dev, server_lr: float):
