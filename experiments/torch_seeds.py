@@ -567,32 +567,32 @@ def client_loss(setting: Setting, online, target, x1, x2, *, priors=None, shared
   rad: hetero_ssfl, (RAD images [blocks * b_R, 3, H, W], Kbar sub-blocks [blocks, b_R, b_R], mu).
   """
   torch = _nn()['torch']
-  split = lambda t: t.reshape((blocks, -1) + tuple(t.shape[1:]))
+  split = lambda t: t.reshape((blocks, -1) + tuple(t.shape[1:])).float()
+  # The forwards under autocast; the losses and the methods' terms in float32 (as ours: our
+  # models return float32 outputs and the losses run in float32 at every precision).
   with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=precision == 'bfloat16'):
-    if setting.method == 'fedsc':
-      z1, _ = online(x1, with_predictor=False)
-      z2, _ = online(x2, with_predictor=False)
-      alpha, r_other = shared if shared is not None else (1.0, None)
-      return sc_loss(split(z1.float()), split(z2.float()), alpha=alpha, r_other=r_other,
-                     mu=setting.get('sc_mu')) / blocks
-    z1, p1 = online(x1)
-    z2, p2 = online(x2)
-    with torch.no_grad():
-      t1, _ = target(x1, with_predictor=False)
-      t2, _ = target(x2, with_predictor=False)
-    p1, p2, t1, t2 = (v.float() for v in (p1, p2, t1, t2))
-    loss = sum(byol_loss(*(split(v)[c] for v in (p1, p2, t1, t2))) for c in range(blocks))
-    if setting.method == 'fedu2':
-      loss = loss + setting.get('lambda_u') * (
-          fur_uot_loss(split(z1.float()), priors[0], tau_a=setting.get('tau'),
-                       tau_b=setting.get('tau'), num_iters=setting.get('uot_iters')) +
-          fur_uot_loss(split(z2.float()), priors[1], tau_a=setting.get('tau'),
-                       tau_b=setting.get('tau'), num_iters=setting.get('uot_iters')))
-    if setting.method == 'hetero_ssfl':
-      rad_x, kbar, mu = rad
-      _, a = online(rad_x)
-      loss = loss + mu * cka_distance_to_kernel(split(a.float()), kbar)
-    return loss / blocks
+    predict = setting.method != 'fedsc'
+    z1, p1 = online(x1, with_predictor=predict)
+    z2, p2 = online(x2, with_predictor=predict)
+    if target is not None:
+      with torch.no_grad():
+        t1, _ = target(x1, with_predictor=False)
+        t2, _ = target(x2, with_predictor=False)
+    a = online(rad[0])[1] if setting.method == 'hetero_ssfl' else None
+  if setting.method == 'fedsc':
+    alpha, r_other = shared if shared is not None else (1.0, None)
+    return sc_loss(split(z1), split(z2), alpha=alpha, r_other=r_other,
+                   mu=setting.get('sc_mu')) / blocks
+  p1, p2, t1, t2 = (split(v) for v in (p1, p2, t1, t2))
+  loss = sum(byol_loss(p1[c], p2[c], t1[c], t2[c]) for c in range(blocks))
+  if setting.method == 'fedu2':
+    kw = dict(tau_a=setting.get('tau'), tau_b=setting.get('tau'),
+              num_iters=setting.get('uot_iters'))
+    loss = loss + setting.get('lambda_u') * (fur_uot_loss(split(z1), priors[0], **kw) +
+                                             fur_uot_loss(split(z2), priors[1], **kw))
+  if setting.method == 'hetero_ssfl':
+    loss = loss + rad[2] * cka_distance_to_kernel(split(a), rad[1])
+  return loss / blocks
 
 
 def _sgd(setting: Setting, params):
