@@ -650,9 +650,11 @@ def build_round(setting: Setting, *, mode: str = 'loop', precision: str = 'float
   torch.manual_seed(seed)
   s = setting
   place = lambda mod: mod.to(device=device, memory_format=fmt)
-  views = lambda n: torch.rand((s.steps, 2, n, 3, s.image, s.image), device=device).contiguous(
-      memory_format=torch.channels_last) if channels_last else torch.rand(
-          (s.steps, 2, n, 3, s.image, s.image), device=device)
+
+  def views(n):
+    """[steps][2 views] of [n, 3, H, W] images on the device, in the memory format."""
+    return [[torch.rand((n, 3, s.image, s.image), device=device).contiguous(memory_format=fmt)
+             for _ in range(2)] for _ in range(s.steps)]
   byol = s.method != 'fedsc'
   d_out = s.heads[0][1]
   # Per cohort: the global (or union) model, and per client its data [E*batches, 2, B, ...].
