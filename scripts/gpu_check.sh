@@ -31,6 +31,12 @@
 #   bash scripts/gpu_check.sh extra   # 100 clients / 10 a round against the eager loop of the same
 #                                     # participants; FedU2's round parts (FUR, EUA) and the eager
 #                                     # loop of its cross-silo participants (B = 128)
+#   bash scripts/gpu_check.sh seeds   # issue 65 item 5: FedU2 (cross-silo, cross-device), FedSC
+#                                     # (DP shares), Hetero-SSFL (ResNet-34 + ResNet-18) and FedEMA
+#                                     # at their papers' model, image, batch and E (one batch per
+#                                     # epoch): our round in bf16 beside the eager PyTorch loop
+#                                     # written as the official codes (TF32) and the union-batch
+#                                     # model (bf16), one process per method (PERF-76)
 #   bash scripts/gpu_check.sh auto    # the train binary (configs/gpu_round.py, bf16): a first run
 #                                     # measures strategy='auto' and compiles; a second run of the
 #                                     # same config reads both caches
@@ -48,7 +54,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-core}
-case "$PART" in core|conv|packed|pallas|extra|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, packed, pallas, extra, auto or export" >&2; exit 1;; esac
+case "$PART" in core|conv|packed|pallas|extra|seeds|auto|export) ;; *) echo "error: part = '$PART' is invalid: must be core, conv, packed, pallas, extra, seeds, auto or export" >&2; exit 1;; esac
 OUT=${OUT:-docs/results/gpu/check_$PART}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/check_$PART.log") 2>&1
@@ -67,8 +73,12 @@ CACHE=$(mktemp -d /tmp/fedjax_ssl_cache.XXXX)  # a cold cache: the first compile
 # float32 matmuls and convolutions run as TF32), bf16 ~989.
 PEAKS=${PEAKS:-495,989}
 M=resnet18 C=10 C100=100 E=5 B=64 B128=128 R=3 IMAGES=640 TRAIN_ARGS=() UNION=(--torch_variants=torch_union)
+# Part seeds: per method a stage limit (s) and its timed rounds after the warm-up.
+SEEDS=${SEEDS:-fedu2_cross_silo:70:2 fedu2_cross_device:100:1 fedsc:50:2 hetero_ssfl:75:2 fedema:45:2}
+SEED_ARGS=(--scale=paper --variants=ours_bf16,torch,torch_union)
 LAYERS=()
 if [ "${SMOKE:-0}" = 1 ]; then
+  SEED_ARGS=(--scale=reduced --variants=ours,torch,torch_union_fp32)
   M=small_cnn C=3 C100=6 E=1 B=8 B128=8 R=1 IMAGES=16 UNION=(--notorch) LAYERS=(--smoke --batch=2)
   TRAIN_ARGS=(--config.encoder=mlp --config.num_clients=3 --config.clients_per_round=3
               --config.train_size=96 --config.rounds=1 --config.heads=custom)
@@ -175,6 +185,15 @@ extra)
   stage fedu2_eager 60 "$PY" -m experiments.benchmark --models=$M --clients=$C \
     --augmentations=flip --local_steps=$E --batch_size=$B128 --repeats=2 --variants= \
     --torch_variants=torch,torch_bf16 --out="$OUT/eager_c10_b128.json"
+  ;;
+seeds)
+  # Each method in its own process (its three variants interleaved in it), so that a stage cut
+  # at its limit costs that method only; seeds_<method>.json is rewritten as each row completes.
+  for item in $SEEDS; do
+    IFS=: read -r name limit reps <<< "$item"
+    stage "seeds_$name" "$limit" "$PY" -m experiments.seed_speed --settings="$name" \
+      "${SEED_ARGS[@]}" --repeats="$reps" --out="$OUT/seeds_$name.json"
+  done
   ;;
 auto)
   for run in first second; do

@@ -104,4 +104,24 @@ def test_unknown_part_is_one_error_line(tmp_path):
                        text=True, env=dict(os.environ, OUT=str(tmp_path)), timeout=60)
   assert out.returncode == 1
   assert out.stderr.strip() == (
-      "error: part = 'all' is invalid: must be core, conv, packed, pallas, extra, auto or export")
+      "error: part = 'all' is invalid: must be core, conv, packed, pallas, extra, seeds, auto or export")
+
+
+@pytest.mark.slow
+def test_seeds_part_times_ours_beside_the_pytorch_rounds(tmp_path):
+  """Issue 65 item 5's part at the reduced size, one method (FedEMA): our round, the eager loop
+  and the union-batch model timed in one process, the paper-round estimate in the row."""
+  pytest.importorskip('torch')
+  env = dict(subprocess_env.binary_env(), SMOKE='1', OUT=str(tmp_path), PYTHON=sys.executable,
+             SEEDS='fedema:600:1')
+  out = subprocess.run(['bash', 'scripts/gpu_check.sh', 'seeds'], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == ['check_seeds.log', 'env_seeds.json',
+                                          'seeds_fedema.json']
+  row, = json.loads((tmp_path / 'seeds_fedema.json').read_text())['rows']
+  assert set(row['results']) == {'ours', 'torch', 'torch_union_fp32'}
+  assert set(row['ratios']) == {'speedup_vs_eager_loop', 'time_vs_union'}
+  for r in row['results'].values():  # the reduced size gives no paper-round estimate
+    assert r['seconds_per_round'] > 0 and 'paper_round_seconds' not in r
+  assert '=== seeds_fedema: exit 0' in (tmp_path / 'check_seeds.log').read_text()
