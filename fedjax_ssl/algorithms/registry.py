@@ -25,6 +25,7 @@ refuses any other than plain aggregation.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import ml_collections
@@ -105,7 +106,9 @@ def _empty_block() -> ml_collections.ConfigDict:
 
 def _origin(fn: Callable) -> Tuple[str, str]:
   code = getattr(fn, '__code__', None)
-  return (getattr(fn, '__qualname__', repr(fn)), code.co_filename if code else '')
+  # The same file may be executed under a relative path (absl's config flag) and an absolute one
+  # (an import): compare resolved paths.
+  return (getattr(fn, '__qualname__', repr(fn)), os.path.realpath(code.co_filename) if code else '')
 
 
 def register(name: str, build: Callable, *, defaults: Optional[Callable] = None,

@@ -32,7 +32,7 @@ import numpy as np
 
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import evaluation, experiment, files
-from fedjax_ssl.core import compilation, rng, strategies
+from fedjax_ssl.core import compilation, conv_choice, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, numerics, plotting,
                              results, resuming, run_guard, shared_references, signals)
@@ -351,6 +351,8 @@ def report(run: Run, outcome: Outcome, refs: References, *,
   record['strategy'] = numerics.strategy_record(run.choice, run.host)
   if per_client is not None:
     record['per_client'] = per_client
+  if config.conv_impl == 'measured':  # each convolution's choice and its candidates' times
+    record['conv_choice'] = conv_choice.recorded()
   if outcome.compile_times is not None:
     record['first_round'] = dict(
         outcome.compile_times.to_json(), export=experiment.export_status(run.round_step),

@@ -30,6 +30,7 @@ client state), and `hparams['reset_state']`, when true, zeroes it at the start o
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import ml_collections
@@ -118,7 +119,9 @@ _REGISTRY: Dict[str, Objective] = {}
 
 def _origin(fn: Callable) -> Tuple[str, str]:
   code = getattr(fn, '__code__', None)
-  return (getattr(fn, '__qualname__', repr(fn)), code.co_filename if code else '')
+  # The same file may be executed under a relative path (absl's config flag) and an absolute one
+  # (an import): compare resolved paths.
+  return (getattr(fn, '__qualname__', repr(fn)), os.path.realpath(code.co_filename) if code else '')
 
 
 def register(objective: Objective) -> Objective:

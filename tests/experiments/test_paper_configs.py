@@ -34,8 +34,12 @@ from fedjax_ssl.data import sources
 from tests import subprocess_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+# configs/dp and configs/fedbuff hold the library's own studies (no paper, a quick scale only);
+# configs/examples holds user examples.
+_NOT_PAPERS = ('examples', 'dp', 'fedbuff')
 _PAPER_FILES = sorted(p for p in REPO.glob('configs/*/*.py')
-                      if p.name not in ('__init__.py', 'common.py') and p.parent.name != 'examples')
+                      if p.name not in ('__init__.py', 'common.py')
+                      and p.parent.name not in _NOT_PAPERS)
 # Table files define get_table; the paper train configs beside them (e.g.
 # configs/fedu2/paper_cross_device.py) define get_config.
 TABLES = [p for p in _PAPER_FILES if 'def get_table(' in p.read_text()]

@@ -24,7 +24,7 @@ def _scales(path):
 
 def test_the_tables_are_found():
   assert {p.parent.name for p in TABLES} == {'fedssl', 'fedu2', 'fedsc', 'hetero_ssfl', 'repshare',
-                                             'ssd'}
+                                             'ssd', 'dp', 'fedbuff'}
 
 
 @pytest.mark.parametrize('path', TABLES, ids=lambda p: f'{p.parent.name}/{p.stem}')

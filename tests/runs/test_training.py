@@ -56,3 +56,22 @@ def test_runs_in_one_process_print_only_their_bar_and_keep_their_own_logs(tmp_pa
     log = (tmp_path / run / 'train.log').read_text()
     assert f'workdir {tmp_path / run};' in log and str(tmp_path / other) not in log
     assert all(marker in log for marker in _ORBAX_INFO)
+
+
+def test_a_measured_run_records_each_convolutions_choice(tmp_path, monkeypatch):
+  """conv_impl='measured' (core/conv_choice.py): results.json carries every convolution's choice
+  and its candidates' times, as the process recorded them."""
+  from fedjax_ssl.core import conv_choice  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(conv_choice, 'cache_dir', lambda: tmp_path / 'cache')
+  monkeypatch.setattr(conv_choice, 'REPEATS', 1)
+  conv_choice.reset()
+  try:
+    results = train.train_and_evaluate(
+        tiny_config(encoder='small_cnn', conv_impl='measured', strategy='vmap'),
+        str(tmp_path / 'w'), verbose=False)
+    assert results['conv_choice'] == conv_choice.recorded() and results['conv_choice']
+  finally:
+    conv_choice.reset()
+  for entry in results['conv_choice'].values():
+    assert entry['impl'] in entry['seconds'] and entry['source'] == 'measured'

@@ -1,8 +1,10 @@
 """The objective registry: the built-in objectives, what algorithms require of one, the keys that
 moved into the objectives' blocks (refused when set, migrated when read), and VICReg and Barlow
 Twins in one round of every algorithm that accepts them."""
+import importlib.machinery
 import importlib.util
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -419,3 +421,18 @@ def test_predictor_lr_scale_moves_a_byol_clients_predictor_alone():
   with pytest.raises(cv.ConfigError, match=r"predictor_lr_scale = 2.0 is invalid with ssl_method "
                                            r"'simclr', which has no predictor"):
     experiment.validate_config(config)
+
+
+@pytest.mark.parametrize('example', ['custom_objective', 'custom_algorithm'])
+def test_an_example_executed_by_relative_and_absolute_path_registers_once(example, monkeypatch):
+  # absl's config flag executes `configs/examples/<x>.py` as given (relative), an import executes
+  # it by its absolute path: the same loss must not count as another under the taken name.
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  monkeypatch.chdir(repo)
+  paths = [f'configs/examples/{example}.py', str(repo / f'configs/examples/{example}.py')]
+  for i, path in enumerate(paths):
+    # A bare SourceFileLoader keeps a relative path in co_filename, as absl's loader does
+    # (spec_from_file_location would make it absolute).
+    loader = importlib.machinery.SourceFileLoader(f'_example_{example}_{i}', path)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    loader.exec_module(importlib.util.module_from_spec(spec))
