@@ -288,11 +288,19 @@ def device_config(config: ml_collections.ConfigDict, devices: int
   return dev, chunk
 
 
+def _round_data_bytes(data: FedData, config: ml_collections.ConfigDict) -> int:
+  """Bytes of `placement.participant_data`'s FedData: the m participants' padded rows (x and y),
+  every client's n and offsets, and the public set."""
+  row = int(np.prod(data.x.shape[1:])) * data.x.dtype.itemsize + 4
+  public = _tree_bytes(data.public_x) if data.public_x is not None else 0
+  return config.clients_per_round * data.n_max * row + 2 * 4 * config.num_clients + public
+
+
 def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes: int,
-             stored_client_bytes: int, hosts: int, devices_per_host: int, target: str
-             ) -> Dict[str, Any]:
-  """Bytes per device and per host of a round on hosts x devices_per_host devices, as the code runs
-  it today and as it would once clients are placed (issue 67 item 1, not built).
+             round_data_bytes: int, stored_client_bytes: int, hosts: int, devices_per_host: int,
+             target: str) -> Dict[str, Any]:
+  """Bytes per device and per host of a round on hosts x devices_per_host devices, with the clients
+  replicated (the default) and with `placement='divided'` (core/placement.py).
 
   `mem` is `memory` of the one-device program (`device_config`: m / P participants); `data_bytes`
   the federated data (FedData); `stored_client_bytes` one client's stored state. Today every
@@ -301,8 +309,11 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   data, the C stored states ('device') or, under 'host', all m participants' states, of which the
   compile counted its own m / P. Only the participants' training (the temporaries) divides. Per
   host: the federated data and, under 'host', the C stored states; on a CPU target the host's
-  devices are its memory too. 'When placed' replaces each replicated share by its 1 / P (device) or
-  1 / H (host) part: an estimate of a design, not of code.
+  devices are its memory too. Under 'divided' (`round_data_bytes`: the FedData of the round's m
+  participants' padded rows, `placement.participant_data`) every device receives that FedData in
+  place of the whole data, and each host holds 1 / H of the data and of the host-resident states
+  (an even cut: the hosts' blocks differ by one client at most) plus that FedData; device-resident
+  client state stays whole.
   """
   devices = hosts * devices_per_host
   m, c = config.clients_per_round, config.num_clients
@@ -314,17 +325,17 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   extra = (m - local) * stored_client_bytes if config.client_state == 'host' else 0
   per_device = mem['total_bytes'] + 2 * extra
   per_host = data_bytes + host_states + (devices_per_host * per_device if target == 'cpu' else 0)
-  replicated = data_bytes + on_device_states
-  placed_device = per_device - replicated + -(-replicated // devices)
-  placed_host = (-(-(data_bytes + host_states) // hosts) +
-                 (devices_per_host * placed_device if target == 'cpu' else 0))
+  divided_device = per_device - data_bytes + round_data_bytes
+  divided_host = (-(-(data_bytes + host_states) // hosts) + round_data_bytes +
+                  (devices_per_host * divided_device if target == 'cpu' else 0))
   return {
       'hosts': hosts, 'devices_per_host': devices_per_host, 'devices': devices,
       'participants_per_device': local,
       'replicated_data_bytes': data_bytes, 'replicated_client_state_bytes': on_device_states,
       'host_client_state_bytes': host_states, 'other_participant_state_bytes': extra,
       'bytes_per_device': per_device, 'bytes_per_host': per_host,
-      'bytes_per_device_when_placed': placed_device, 'bytes_per_host_when_placed': placed_host,
+      'round_data_bytes_divided': round_data_bytes,
+      'bytes_per_device_divided': divided_device, 'bytes_per_host_divided': divided_host,
   }
 
 
@@ -336,7 +347,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
 
   With hosts x devices_per_host = P > 1 devices the strategy is 'shard' and the memory is that of
   one device's program (m / P participants; `device_config`), with the inputs every device holds
-  today counted whole (`topology`); FLOPs stay those of the whole round.
+  counted whole (placement replicated) (`topology`); FLOPs stay those of the whole round.
 
   Raises cv.ConfigError for a refused config, device memory, fraction, round count or topology.
   """
@@ -362,9 +373,9 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
   logging.info('counting the FLOPs of a local step (an XLA:CPU compile)')
   per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, run_config)
   stored = _tree_bytes(s.state.clients) // config.num_clients
-  topo = topology(config, mem, _tree_bytes(s.data), stored, int(hosts), int(devices_per_host),
-                  target)
-  if devices > 1:  # the inputs every device holds today, whole (`topology`)
+  topo = topology(config, mem, _tree_bytes(s.data), _round_data_bytes(s.data, config),
+                  stored, int(hosts), int(devices_per_host), target)
+  if devices > 1:  # the inputs every device holds whole under placement replicated (`topology`)
     extra = topo['other_participant_state_bytes']
     mem = dict(mem, input_bytes=mem['input_bytes'] + extra,
                output_bytes=mem['output_bytes'] + extra, total_bytes=topo['bytes_per_device'])
@@ -553,8 +564,8 @@ def text(p: Dict[str, Any]) -> str:
 
 
 def topology_text(p: Dict[str, Any]) -> List[str]:
-  """The lines on hosts and devices: the strategy to use, per device and per host today, and the
-  same once clients are placed (labelled as a plan of issue 67 item 1, not built)."""
+  """The lines on hosts and devices: the strategy to use, per device and per host with the clients
+  replicated and with placement 'divided'."""
   states = ('the C stored states' if p['client_state'] == 'device' else
             "the round's m participants' states")
   host_states = (f' + {_gib(p["host_client_state_bytes"])} of host-resident client states'
@@ -567,17 +578,19 @@ def topology_text(p: Dict[str, Any]) -> List[str]:
         f"strategy to use 'shard' ({p['participants_per_device']} participants per device, "
         f'map_chunk_size {p["map_chunk_size"]}); the memory above is one device\'s program')
   lines += [
-      f'per device, today: {_gib(p["bytes_per_device"])}, of which replicated on every device '
+      f'per device, replicated: {_gib(p["bytes_per_device"])}, of which on every device '
       f'{_gib(p["replicated_data_bytes"])} of data and {_gib(p["replicated_client_state_bytes"])} '
       f'of {states}; only the participants\' training divides',
-      f'per host, today: {_gib(p["bytes_per_host"])} (every process loads the whole data, '
+      f'per host, replicated: {_gib(p["bytes_per_host"])} (every process holds the whole data, '
       f'{_gib(p["replicated_data_bytes"])}{host_states}{cpu})',
   ]
   if p['devices'] > 1:
     lines.append(
-        f'when client placement lands (issue 67 item 1, not built; an estimate): per device '
-        f'{_gib(p["bytes_per_device_when_placed"])}, per host '
-        f'{_gib(p["bytes_per_host_when_placed"])}')
+        f'with --config.placement=divided: per device {_gib(p["bytes_per_device_divided"])} '
+        f'(the round\'s participants\' rows, {_gib(p["round_data_bytes_divided"])}, in place of '
+        f'the data), per host {_gib(p["bytes_per_host_divided"])} (1 / {p["hosts"]} of the data'
+        + (' and of the host-resident states' if p['host_client_state_bytes'] else '') +
+        ', plus those rows)')
   return lines
 
 

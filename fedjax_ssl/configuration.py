@@ -26,7 +26,7 @@ from fedjax_ssl import models
 from fedjax_ssl import run_identity
 from fedjax_ssl import ssl
 from fedjax_ssl.algorithms.fedavg import BYOL_TARGET_SYNC
-from fedjax_ssl.core import faults, optim, server_opt, strategies
+from fedjax_ssl.core import faults, optim, placement, server_opt, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.round import RoundConfig
 from fedjax_ssl.data import augment, info as data_info, partition, sources
@@ -131,6 +131,9 @@ def default_config() -> ml_collections.ConfigDict:
   # as long as the longest one).
   c.vmap_shrink = 2.0
   c.client_state = 'device'       # device | host (stacked client state in host memory)
+  # replicated | divided: with several processes, each holds only its block of the clients' data
+  # and (client_state='host') state (core/placement.py).
+  c.placement = 'replicated'
   # Faults inside a round (core/faults.py): a participant whose upload is not finite is left out of
   # the aggregate and rolled back to the start of the round; a round in which more than
   # max_failed_fraction of the participants failed stops the run as diverged.
@@ -194,6 +197,25 @@ def _check_per_client_eval(config: ml_collections.ConfigDict) -> None:
     raise cv.ConfigError(f'config.per_client_eval = True with config.knn_k = 0 is invalid for '
                          f'ssl_method {config.ssl_method!r}: the per-client score is the kNN '
                          '(knn_k > 0) or a supervised classifier\'s accuracy')
+
+
+def _check_placement(config: ml_collections.ConfigDict) -> None:
+  """config.placement is known, and 'divided' is not combined with what reads every client's data
+  or state on each process. The process count is checked when the run starts
+  (`placement.check_processes`), and the algorithm's pre-round step and evaluation when it is
+  built (runs/run_setup.py)."""
+  cv.check_choice('placement', config.placement, placement.PLACEMENTS)
+  if config.placement != 'divided':
+    return
+  for key, on, why in (
+      ('per_client_eval', config.per_client_eval, "each client's held-out split is scored from "
+       "every client's rows"),
+      ('fedbuff.enabled', config.fedbuff.enabled, 'its pending updates and clock are one state of '
+       'all clients')):
+    if on:
+      raise cv.ConfigError(f"config.placement = 'divided' is invalid with config.{key} = "
+                           f"{config[key] if '.' not in key else True!r}: {why}; use "
+                           "'replicated'")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -299,6 +321,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for key in ('proj_hidden', 'proj_out', 'pred_hidden', 'pred_out'):
       cv.check_int_range(key, config[key], 1, 1_000_000)
   cv.check_choice('client_state', config.client_state, rd.CLIENT_STATES)
+  _check_placement(config)
   cv.check_float_range('max_failed_fraction', config.max_failed_fraction, 0.0, 1.0, (True, False))
   cv.check_float_range('dropout_rate', config.dropout_rate, 0.0, 1.0, (True, False))
   try:
@@ -528,7 +551,8 @@ def round_config(config: ml_collections.ConfigDict) -> RoundConfig:
       lr_fn=lambda r: optim.round_lr(base_lr, schedule, r, rounds),
       strategy=config.strategy, map_chunk_size=config.map_chunk_size,
       drop_last=bool(config.drop_last), vmap_shrink=float(config.vmap_shrink),
-      client_state=config.client_state, dropout_rate=float(config.dropout_rate),
+      client_state=config.client_state, placement=config.placement,
+      dropout_rate=float(config.dropout_rate),
       inject_faults=faults.parse(config.inject_client_faults),
       dp=(dp_fedavg.DpAggregation(float(config.dp.clip_norm),
                                   algorithms.registry.dp_noise_multiplier(config),

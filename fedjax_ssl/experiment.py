@@ -32,7 +32,7 @@ from fedjax_ssl import algorithms, run_identity
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.configuration import (default_config, round_config,  # noqa: F401
                                       validate_config)
-from fedjax_ssl.core import autotune, export_cache, fedbuff, rng, strategies
+from fedjax_ssl.core import autotune, export_cache, fedbuff, placement, rng, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.data import partition, sources
@@ -109,14 +109,21 @@ def run_plan(config: ml_collections.ConfigDict, dataset: Dataset,
 def strategy_program(config: ml_collections.ConfigDict, fed_data: FedData) -> dict:
   """What identifies a run's round program for `strategy='auto'` (autotune.program_description):
   every config key that shapes the round, the data's shapes, the backend and device."""
+  # Under placement 'divided' `fed_data` is this process's LocalClients: the whole federation's
+  # row count, the same on every process.
+  divided = isinstance(fed_data, placement.LocalClients)
+  rows = int(np.sum(fed_data.n)) if divided else fed_data.x.shape[0]
   return autotune.program_description(
-      config=run_identity.program_keys(config), data={'x': list(fed_data.x.shape), 'n_max': int(fed_data.n_max)})
+      config=run_identity.program_keys(config),
+      data={'x': [rows] + list(fed_data.x.shape[1:]), 'n_max': int(fed_data.n_max)})
 
 
 def export_off_reason(config: ml_collections.ConfigDict, strategy: str) -> Optional[str]:
   """Why a round of `config` under the resolved `strategy` is not exported, None when it is."""
   if config.client_state != 'device':
     return f"client_state = {config.client_state!r} (the round gathers on the host)"
+  if config.placement == 'divided':
+    return "placement 'divided' (the round gathers its participants' rows on the host)"
   if strategies.multi_process():
     return f'{jax.process_count()} processes'
   if strategies.resolve_strategy(strategy) == 'shard':

@@ -52,6 +52,8 @@ UNUSED_WHEN = {
     'dp': lambda c: not ('dp' in c and c.dp.enabled),
     # FedBuff off: likewise (core/fedbuff.py).
     'fedbuff': lambda c: not ('fedbuff' in c and c.fedbuff.enabled),
+    # Issue 67: replicated placement is what every run before the key did.
+    'placement': lambda c: c.get('placement', 'replicated') == 'replicated',
 }
 
 # Top-level keys that moved into a block: old name -> 'block.key' (issue 25: into the algorithms'

@@ -261,6 +261,19 @@ def test_strategy_participant_error_is_a_config_error():
            f'multiple of the device count {n}', strategy='shard', clients_per_round=n + 1)
 
 
+def test_divided_placement_refuses_what_reads_every_client():
+  _invalid("config.placement = 'spread' is invalid: must be one of ['replicated', 'divided']",
+           placement='spread')
+  _invalid("config.placement = 'divided' is invalid with config.per_client_eval = True: each "
+           "client's held-out split is scored from every client's rows; use 'replicated'",
+           placement='divided', per_client_eval=True)
+  config = _cfg(placement='divided')
+  config.fedbuff.enabled = True
+  _raises(lambda: experiment.validate_config(config),
+          "config.placement = 'divided' is invalid with config.fedbuff.enabled = True: its pending "
+          "updates and clock are one state of all clients; use 'replicated'")
+
+
 def test_seed_and_data_dir_types():
   _invalid('config.seed = -1 is invalid: must be an integer in [0, 2147483647]', seed=-1)
   config = _cfg()

@@ -98,6 +98,11 @@ def define_flags(flag_values: flags.FlagValues = FLAGS) -> None:
       'Peak TFLOP/s of the device, one value for every precision or one per --precisions entry, '
       'for mfu = achieved FLOP/s / peak (H100 SXM dense: ~67 float32 without tensor cores, ~495 '
       'TF32, ~989 bf16). Empty: no mfu.', **fv)
+  flags.DEFINE_list(
+      'processes', list(d['processes']),
+      "scale: process counts P; measures placement 'divided' over P processes on 127.0.0.1 "
+      "against 'replicated' on one (memory held per process) instead of the strategy variants.",
+      **fv)
   flags.DEFINE_float(
       'max_variant_seconds', d['max_variant_seconds'],
       'Stop timing a variant once one of its rounds exceeds this many seconds (CPU ResNet-18).',
@@ -116,7 +121,10 @@ def run(s: settings.Settings) -> None:
     compilation.enable_cache(s.cache_dir or 'none')
   except compilation.CacheError as e:
     raise cv.ConfigError(str(e).replace('cache_dir =', '--cache_dir =')) from None
-  rows = {'scale': scale.run, 'conv_layers': layers.run}.get(s.setting, round_speed.run)(s)
+  if s.setting == 'scale' and s.processes:
+    rows = scale.placement_rows(s)
+  else:
+    rows = {'scale': scale.run, 'conv_layers': layers.run}.get(s.setting, round_speed.run)(s)
   if conv_choice.recorded():  # conv_impl='measured': each convolution's candidates and choice
     print('--- conv_impl=measured, per convolution (K clients, shapes | candidate ms -> choice):')
     print('\n'.join(conv_choice.text()))

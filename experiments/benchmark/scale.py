@@ -9,7 +9,10 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from typing import TYPE_CHECKING, Dict, List
 
@@ -134,4 +137,58 @@ def run(s: Settings) -> List[Dict]:
                        iid['results'][v]['ms_per_real_step'])
     print(f'==> C={c}: per real step, {skew["partition"]} / IID: ' + ', '.join(
         f'{v}: {ratio(v):.2f}x' for v in s.variants), flush=True)
+  return [info] + rows
+
+
+# The placement rows (issue 67, `--processes`): what one process holds with the clients' data and
+# host-resident state replicated, against 'divided' over P processes (core/placement.py).
+PLACEMENT_ALGORITHMS = (('fedema', 'byol'), ('fedavg', 'simclr'))  # stateful, stateless
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    return sock.getsockname()[1]
+
+
+def _placement_group(args: dict, processes: int) -> List[Dict]:
+  """Runs `processes` placement workers on 127.0.0.1 (one CPU device each); their rows."""
+  coordinator = f'127.0.0.1:{_free_port()}'
+  procs = [subprocess.Popen(
+      [sys.executable, '-m', 'experiments.benchmark.placement_worker', json.dumps(dict(
+          args, processes=processes, process_id=p, coordinator=coordinator))],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in range(processes)]
+  outs = [p.communicate()[0] for p in procs]
+  rows = []
+  for p, out in zip(procs, outs):
+    if p.returncode:
+      raise RuntimeError(f'placement worker failed (rc {p.returncode}):\n{out[-3000:]}')
+    rows.append(json.loads(next(l for l in out.splitlines() if l.startswith('PLACEMENT_ROW '))
+                           .split(' ', 1)[1]))
+  return rows
+
+
+def placement_rows(s: Settings) -> List[Dict]:
+  """Per algorithm (stateful FedEMA-BYOL, stateless FedSimCLR), client count and process count P:
+  each process's held clients, rows and client-state MB, resident and peak memory, and seconds per
+  round and per exchange; 'replicated' on one process first, then 'divided' on each P."""
+  info = {'backend': jax.default_backend(), 'setting': 'scale', 'jax': jax.__version__,
+          'processes': list(s.processes), 'repeats': s.repeats, 'partition': 'iid',
+          'cpu_affinity': sorted(os.sched_getaffinity(0))}
+  print(json.dumps(info))
+  rows = []
+  for num_clients in s.client_counts:
+    for algorithm, ssl_method in PLACEMENT_ALGORITHMS:
+      args = dict(algorithm=algorithm, ssl_method=ssl_method, num_clients=num_clients,
+                  participants=8, rounds=s.repeats)
+      groups = [('replicated', 1)] + [('divided', int(p)) for p in s.processes]
+      for placement_, processes in groups:
+        for row in _placement_group(dict(args, placement=placement_), processes):
+          print(f'C={num_clients:5d} {row["algorithm"]:14s} {placement_:10s} P={processes} '
+                f'process {row["process"]}: holds {row["held_clients"]} clients, data '
+                f'{row["held_data_mb"]:.1f} MB, client state {row["held_client_state_mb"]:.1f} MB, '
+                f'RSS {row["rss_mb"]:.0f} MB (peak {row["peak_rss_mb"]:.0f}), '
+                f'{row["seconds_per_round"]:.2f} s/round, exchange {row["exchange_seconds"]:.3f} s',
+                flush=True)
+          rows.append(row)
   return [info] + rows

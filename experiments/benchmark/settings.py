@@ -26,7 +26,7 @@ SETTING_DEFAULTS: Dict[str, Dict[str, Any]] = {
 
 # The comma-separated list flags: tuples of their strings, as absl's DEFINE_list gives them.
 LIST_FIELDS = ('models', 'clients', 'variants', 'augmentations', 'torch_variants',
-               'profile_variants', 'precisions', 'peak_tflops')
+               'profile_variants', 'precisions', 'peak_tflops', 'processes')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Settings:
   precisions: Tuple[str, ...] = ('float32',)
   peak_tflops: Tuple[str, ...] = ()
   max_variant_seconds: float = 600.0
+  processes: Tuple[str, ...] = ()
 
   def __post_init__(self):
     for name in LIST_FIELDS:  # lists (or ints, in tests) -> tuples of strings
@@ -110,6 +111,13 @@ def check(s: Settings) -> None:
   for name, value in (('local_steps', s.local_steps), ('repeats', s.repeats)):
     if value < 1:
       raise cv.ConfigError(f'--{name} = {value} is invalid: must be an integer >= 1')
+  for value in s.processes:
+    if not value.isdigit() or int(value) < 1:
+      raise cv.ConfigError(f'--processes = {",".join(s.processes)!r} is invalid: must be '
+                           'comma-separated integers >= 1')
+  if s.processes and s.setting != 'scale':
+    raise cv.ConfigError(f'--processes = {",".join(s.processes)!r} is invalid with --setting = '
+                         f"{s.setting!r}: only the scale setting measures placements")
   if s.batch_size < 2:
     raise cv.ConfigError(f'--batch_size = {s.batch_size} is invalid: must be an integer >= 2')
   _check_precisions(s)

@@ -225,7 +225,9 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       eval_variables=lambda state: (state.server['model'], False),
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
-      prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes) if share else None,
+      # The first share round uploads every client's matrix (Alg. 1), from every client's data.
+      prepare=(Prepare(prepare, upload_bytes=prepare_upload_bytes, reads_data=True) if share
+               else None),
       personalize=personalize if share else None,
       host_metrics=host_metrics if (share and ledger is not None) else None,
       ragged_batches=True,

@@ -254,7 +254,8 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
       personalized=True, personalize=personalize,
       prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes,
-                      reads_clients=init_prototypes == 'model'))
+                      reads_clients=init_prototypes == 'model',
+                      reads_data=init_prototypes == 'model'))
 
 
 def config_block() -> ml_collections.ConfigDict:

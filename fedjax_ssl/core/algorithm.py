@@ -29,6 +29,9 @@ serve; an algorithm without them computes exactly what it did before they existe
     upload_bytes(state, server_after)     -> bytes   (what clients sent inside `fn`, float32 scalar)
     reads_clients: bool                              (`fn` reads FedState.clients: such an algorithm
                                                       needs client_state='device')
+    reads_data: bool                                 (`fn` reads the data of clients other than the
+                                                      round's participants: such an algorithm
+                                                      needs placement='replicated')
 * `Stateless` (`stateless=`): the part of a client's state that survives a round, the only part
   kept in FedState.clients:
     persist(client)                       -> stored
@@ -100,6 +103,7 @@ class Prepare:
   fn: Callable[..., Any]
   upload_bytes: Optional[Callable[..., Any]] = None
   reads_clients: bool = False
+  reads_data: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

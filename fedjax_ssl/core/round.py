@@ -16,7 +16,7 @@ import numpy as np
 
 from fedjax_ssl.core.algorithm import (Algorithm, Cohort, CohortSlots, LocalData, persist_client,
                                         restore_client)
-from fedjax_ssl.core import comm, faults, local, rng, strategies
+from fedjax_ssl.core import comm, faults, local, placement, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data.types import FedData
 from fedjax_ssl.ops import dp_fedavg
@@ -46,6 +46,9 @@ class RoundConfig:
       non-finite in that round, to exercise the isolation of failed clients (core/faults.py).
     dp: user-level DP-FedAvg (ops/dp_fedavg.py): the uploads are clipped updates averaged with the
       fixed denominator m plus Gaussian noise, replacing the algorithm's weights; None: off.
+    placement: 'replicated' (every process holds every client) or 'divided' (each process holds
+      its block of clients, core/placement.py; the round step then takes the process's
+      `LocalClients` in place of the whole FedData).
   """
   clients_per_round: int
   local_epochs: int
@@ -59,25 +62,36 @@ class RoundConfig:
   dropout_rate: float = 0.0
   inject_faults: Tuple[Tuple[int, int], ...] = ()
   dp: Optional[dp_fedavg.DpAggregation] = None
+  placement: str = 'replicated'
 
 
 CLIENT_STATES = ('device', 'host')
 
 
 def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: str = 'device',
-               *, init_fn: Callable | None = None) -> FedState:
+               *, init_fn: Callable | None = None, held: Tuple[int, int] | None = None
+               ) -> FedState:
   """Initial state: stacked client states and the server state, round 0.
 
   client_state='host' returns the client stacks as numpy arrays (computed on the CPU backend, so
   the accelerator never holds all C clients; same threefry draws, so the same numbers on CPU).
-  init_fn(key) -> (clients, server) replaces `algo.init(key, num_clients)` on the device path:
-  `compiled_init` gives the same numbers as one program.
+  With `held` = (lo, hi) (placement 'divided', core/placement.py) only clients lo .. hi - 1 are
+  returned, sliced inside one jitted init so that an init that broadcasts one client's state never
+  builds the other rows. init_fn(key) -> (clients, server) replaces `algo.init(key, num_clients)`
+  on the device path: `compiled_init` gives the same numbers as one program.
   """
   if client_state not in CLIENT_STATES:
     raise ValueError(f'client_state = {client_state!r} is invalid: must be one of {CLIENT_STATES}')
+  if held is not None and client_state != 'host':
+    raise ValueError(f"held = {held} needs client_state = 'host' (device-resident client state is "
+                     'one stack of all clients)')
   if client_state == 'host':
     with jax.default_device(jax.local_devices(backend='cpu')[0]):
-      clients, server = algo.init(key, num_clients)
+      if held is None:
+        clients, server = algo.init(key, num_clients)
+      else:
+        lo, hi = held
+        clients, server = jax.jit(lambda k: _held_rows(algo.init(k, num_clients), lo, hi))(key)
     clients = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), clients)
     # Through numpy, so that the server lands uncommitted on the default device below (an array
     # committed to one device cannot enter a round sharded over several).
@@ -91,6 +105,11 @@ def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: 
   if client_state == 'device':
     clients = jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), clients)
   return FedState(clients=clients, server=server, round=rnd)
+
+
+def _held_rows(init_out, lo: int, hi: int):
+  clients, server = init_out
+  return jax.tree_util.tree_map(lambda a: a[lo:hi], clients), server
 
 
 def compiled_init(algo: Algorithm, num_clients: int) -> Callable:
@@ -359,6 +378,17 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
     raise ValueError(f'dp is invalid for algorithm {algo.name!r}: DP-FedAvg needs a single-cohort '
                      'algorithm whose Algorithm declares update_reference (its aggregate a '
                      'weighted mean of the uploads)')
+  if cfg.placement not in placement.PLACEMENTS:
+    raise ValueError(f'placement = {cfg.placement!r} is invalid: must be one of '
+                     f'{placement.PLACEMENTS}')
+  if cfg.placement == 'divided' and algo is not None:
+    if algo.prepare is not None and (algo.prepare.reads_clients or algo.prepare.reads_data):
+      raise ValueError(f"placement = 'divided' is invalid for algorithm {algo.name!r}: its "
+                       "`prepare` reads clients other than the round's participants; use "
+                       "'replicated'")
+    if algo.cohorts and cfg.client_state == 'host':
+      raise ValueError(f"placement = 'divided' with client_state = 'host' is invalid for algorithm "
+                       f"{algo.name!r}: its clients are in cohorts; use client_state = 'device'")
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
@@ -432,6 +462,9 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     if algo.prepare is not None and algo.prepare.reads_clients:
       raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads every client's state on the device; use 'device'")
+    if cfg.placement == 'divided':
+      return _divided_host_round_step(strategies.jit_replicated(participants),
+                                      strategies.jit_replicated(trained))
     return _host_round_step(algo, strategies.jit_replicated(participants),
                             strategies.jit_replicated(trained))
 
@@ -442,7 +475,44 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     clients = _unstack(algo, _scatter(stacks, slots, new_sel))
     return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
-  return strategies.jit_replicated(round_step, donate_argnums=(0,) if donate else ())
+  step = strategies.jit_replicated(round_step, donate_argnums=(0,) if donate else ())
+  if cfg.placement == 'divided':
+    return _divided_round_step(strategies.jit_replicated(participants), step)
+  return step
+
+
+def _round_data(local_clients: placement.LocalClients, ids: np.ndarray) -> FedData:
+  """The participants' FedData (placement.participant_data), replicated on every process."""
+  data = placement.participant_data(local_clients, ids)
+  return strategies.replicate(data) if strategies.multi_process() else data
+
+
+def _divided_round_step(participants: Callable, step: Callable) -> Callable:
+  """`round_step(state, local_clients, key)` of placement 'divided' with device-resident client
+  state: the participants' rows gathered from their owners, then the 'replicated' program."""
+  def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
+    ids = np.asarray(jax.device_get(participants(key)[0]))
+    return step(state, _round_data(local_clients, ids), key)
+  return round_step
+
+
+def _divided_host_round_step(participants: Callable, trained: Callable) -> Callable:
+  """`round_step(state, local_clients, key)` of placement 'divided' with host-resident client
+  state: `state.clients` holds this process's clients only (leaves [hi - lo, ...]); the
+  participants' stored states and rows are gathered from their owners, the round run as with
+  'host', and each process writes back the new states of the clients it holds. Single cohort."""
+  def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
+    ids, slots = jax.device_get(participants(key))
+    ids, (sl,) = np.asarray(ids), slots
+    sel = placement.participant_states(state.clients, local_clients, sl.ids)
+    sel = strategies.replicate((sel,)) if strategies.multi_process() else jax.device_put((sel,))
+    server, new_sel, metrics = trained(state.replace(clients=None), sel,
+                                       _round_data(local_clients, ids), key)
+    placement.store_states(state.clients, jax.device_get(new_sel)[0], local_clients, sl.ids,
+                           sl.valid)
+    return FedState(clients=state.clients, server=server, round=state.round + 1), metrics
+  round_step.device_program = trained
+  return round_step
 
 
 def _host_round_step(algo: Algorithm, participants: Callable, trained: Callable) -> Callable:

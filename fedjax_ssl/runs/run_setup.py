@@ -9,12 +9,14 @@ import logging
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from fedjax_ssl import algorithms, configuration, evaluation, experiment
+from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import Plan
-from fedjax_ssl.core import autotune, comm, strategies
+from fedjax_ssl.core import autotune, comm, placement, strategies
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.core.state import FedState
@@ -39,16 +41,21 @@ class InitialState:
     config, algo = self._config, self._algo
     if self._init_fn is None and config.client_state == 'device':
       self._init_fn = rd.compiled_init(algo, config.num_clients)
+    held = None
+    if config.placement == 'divided' and config.client_state == 'host':
+      held = placement.owned_range(config.num_clients, jax.process_index(), jax.process_count())
     try:
       state = rd.init_state(algo, self._key, config.num_clients,
-                            client_state=config.client_state, init_fn=self._init_fn or None)
+                            client_state=config.client_state, init_fn=self._init_fn or None,
+                            held=held)
     except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
       if not self._init_fn:
         raise
       logging.warning('%s.init cannot be one program (%s): initialised eagerly', algo.name,
                       str(e).splitlines()[0][:200])
       self._init_fn = False
-      state = rd.init_state(algo, self._key, config.num_clients, client_state=config.client_state)
+      state = rd.init_state(algo, self._key, config.num_clients, client_state=config.client_state,
+                            held=held)
     return state.replace(server=strategies.replicate(state.server),
                          round=strategies.replicate(state.round),
                          clients=(state.clients if config.client_state == 'host' else
@@ -62,7 +69,9 @@ class Run:
   Attributes:
     config: the run's config; rundir: its run directory (`RunDir`: the run's files, written by
       process 0 only); console: this process's console (`logging_utils.Console`).
-    dataset; fed_data: the federated data, replicated over the processes; algo: the Algorithm;
+    dataset; fed_data: what the round step takes: the federated data replicated over the
+    processes, or under placement 'divided' this process's `placement.LocalClients`; algo: the
+    Algorithm;
     plan: the algorithm's run plan, or None; round_cfg: the RoundConfig; init_key, run_key: the
     keys of the initial state and of the rounds; choice: the resolved strategy; round_step: the
     compiled round; per_participant: message sizes per cohort (`rd.message_bytes`); changes: the
@@ -90,6 +99,64 @@ class Run:
   client_splits: Optional[list]
 
 
+def _divide(config, algo: Algorithm, fed_data: FedData) -> placement.LocalClients:
+  """This process's share of the clients under placement 'divided'; ConfigError before compute
+  when the process count cannot divide them or the algorithm reads other clients before a round."""
+  try:
+    placement.check_processes(config.num_clients, jax.process_count(), config.client_state)
+  except ValueError as e:
+    raise cv.ConfigError(f'{e} (--num_processes)') from None
+  try:
+    rd.validate(experiment.round_config(config), config.num_clients, algo)
+  except ValueError as e:
+    raise cv.ConfigError(f'config.{e}') from None
+  return placement.divide(fed_data, jax.process_index(), jax.process_count())
+
+
+def checkpoint_form(run: Run, state: FedState) -> FedState:
+  """The state as a checkpoint stores it: under placement 'divided' with host-resident client
+  state, the held rows as one array of all clients cut over the processes (each process writes its
+  block); otherwise the state itself."""
+  if not _held(run.config):
+    return state
+  return state.replace(clients=placement.to_global(state.clients, run.config.num_clients))
+
+
+def checkpoint_template(run: Run, state: FedState) -> FedState:
+  """The template `checkpoint_form(state)` is restored into (cut for this run's processes)."""
+  if not _held(run.config):
+    return state
+  return state.replace(clients=placement.global_template(state.clients, run.config.num_clients))
+
+
+def from_checkpoint(run: Run, state: FedState) -> FedState:
+  """The inverse of `checkpoint_form` on a restored state, placed as a fresh run's state is. With
+  one process the arrays are made uncommitted: orbax commits them to one device, which a 'shard'
+  round over several devices refuses to mix with its mesh."""
+  if _held(run.config):
+    state = state.replace(clients=placement.to_held(state.clients))
+  if strategies.multi_process():
+    return state
+  return state.replace(server=_uncommitted(state.server), round=_uncommitted(state.round),
+                       clients=(state.clients if run.config.client_state == 'host' else
+                                _uncommitted(state.clients)))
+
+
+def _uncommitted(tree):
+  def one(a):
+    if not isinstance(a, jax.Array):
+      return a
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(_uncommitted(jax.random.key_data(a)),
+                                      impl=jax.random.key_impl(a))
+    return jnp.asarray(np.asarray(a))
+  return jax.tree_util.tree_map(one, tree)
+
+
+def _held(config) -> bool:
+  return config.placement == 'divided' and config.client_state == 'host'
+
+
 def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
           console: logging_utils.Console | None = None, allow_config_change: bool = False,
           cache_dir=None) -> tuple[Run, FedState]:
@@ -115,7 +182,12 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   if plan is not None:
     console.say(plan.text)
   init_key, run_key = experiment.run_keys(config)
-  initial_state, fed_data = InitialState(config, algo, init_key), strategies.replicate(fed_data)
+  initial_state = InitialState(config, algo, init_key)
+  whole = fed_data  # the whole federation's shapes (message sizes, the strategy's program)
+  if config.placement == 'divided':
+    fed_data = _divide(config, algo, fed_data)
+  else:
+    fed_data = whole = strategies.replicate(fed_data)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
   # the one it started with, since strategies agree only to float rounding.
   stored = numerics.stored_strategy(rundir, ckpt, config.map_chunk_size, console)
@@ -128,8 +200,14 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
     host = stored['host']   # the record keeps the host the run started on
   console.say(_header(config, algo, choice))
   state = initial_state()
+  if config.placement == 'divided' and config.client_state == 'host' and algo.eval_variables(
+      state)[1]:
+    raise cv.ConfigError(f"config.placement = 'divided' with config.client_state = 'host' is "
+                         f"invalid for algorithm {config.algorithm!r}: its evaluation reads every "
+                         "client's model; use 'replicated' or client_state = 'device'")
   round_cfg = experiment.round_config(config)
-  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, fed_data)
+  per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, whole)
+  del whole  # under 'divided' this process keeps its own clients' rows only
   console.say('communication per participant and round: ' + ', '.join(
       f'{c.name}: up {b.up:,} B, down {b.down:,} B'
       for c, b in zip(rd.cohorts(algo, config.num_clients), per_participant)))

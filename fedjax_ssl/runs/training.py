@@ -35,7 +35,7 @@ from fedjax_ssl import evaluation, experiment, files
 from fedjax_ssl.core import compilation, conv_choice, rng, strategies
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.runs import (checkpoint, divergence, lock, logging_utils, numerics, plotting,
-                             results, resuming, run_guard, shared_references, signals)
+                             results, resuming, run_guard, run_setup, shared_references, signals)
 from fedjax_ssl.runs.run_dir import RunDir
 from fedjax_ssl.runs.run_setup import Run, setup
 from fedjax_ssl.runs.shared_references import References
@@ -133,10 +133,11 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state: FedState, *, restart:
   again."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return 0, state
-  restored = resuming.restore_newest_intact(ckpt, state, console=run.console,
-                                            moves=run.rundir.writes)
+  restored = resuming.restore_newest_intact(ckpt, run_setup.checkpoint_template(run, state),
+                                            console=run.console, moves=run.rundir.writes)
   if restored is not None:
     start, state, _ = restored
+    state = run_setup.from_checkpoint(run, state)
     run.console.say(f'resumed from the checkpoint of round {start} in {run.rundir.checkpoints}')
     return start, state
   if not restart:
@@ -239,7 +240,8 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSign
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
     with files.writing(run.rundir.checkpoints / str(r + 1)):
-      ckpt.maybe_save(r + 1, state, metadata={'config': config.to_dict()},
+      ckpt.maybe_save(r + 1, run_setup.checkpoint_form(run, state),
+                      metadata={'config': config.to_dict()},
                       force=r + 1 == config.rounds or bool(signum))
     if signum:
       bar.close()

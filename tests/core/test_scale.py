@@ -138,12 +138,13 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(workdir):
+def _two_processes(workdir, extra=(), devices_per_process=2):
   """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
   env = subprocess_env.binary_env()  # the caller's flags and the suite's fast compile
-  env['XLA_FLAGS'] = f"{env['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()
+  env['XLA_FLAGS'] = (f"{env['XLA_FLAGS']} "
+                      f'--xla_force_host_platform_device_count={devices_per_process}').strip()
   common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
-      f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
+      *extra, f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
   procs = [subprocess.Popen(common + [f'--process_id={i}'], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(2)]
@@ -161,14 +162,20 @@ def _records(workdir):
   return [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_two_processes_equal_one_process_and_resume(tmp_path):
+def _config(**overrides):
   from configs import quickstart
-  from fedjax_ssl.runs import training as train
   config = quickstart.get_config()
   for flag in TRAIN_FLAGS[1:]:
     key, value = flag[len('--config.'):].split('=', 1)
     config[key] = value == 'True' if isinstance(config[key], bool) else type(config[key])(value)
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_and_resume(tmp_path):
+  from fedjax_ssl.runs import training as train
+  config = _config()
   train.train_and_evaluate(config, str(tmp_path / 'one'), verbose=False)
   want = _records(tmp_path / 'one')
 
@@ -187,6 +194,32 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
   out = _two_processes(tmp_path / 'two')
   assert 'resumed from the checkpoint of round 1' in out
   assert _records(tmp_path / 'two') == got
+
+
+@pytest.mark.slow
+def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resume_on_one(
+    tmp_path):
+  """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (rows and host state),
+  process 1 clients 2-3, one device each; each saves its block of the checkpoint. The metrics equal
+  a one-process run's to the float rounding of the cross-device sums (2 devices against the
+  session's 4: the server average adds its terms in another order, ~1e-7 relative). Then one
+  process resumes the two processes' checkpoint of round 1, cut for it, and redoes round 2."""
+  from fedjax_ssl.runs import training as train
+  train.train_and_evaluate(_config(), str(tmp_path / 'one'), verbose=False)
+  want = _records(tmp_path / 'one')
+  _two_processes(tmp_path / 'two', extra=['--config.placement=divided'], devices_per_process=1)
+  got = _records(tmp_path / 'two')
+  assert [r['round'] for r in got] == [0, 1, 2]
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys()
+    for k in g:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f'round {g["round"]} {k}')
+  shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
+  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
+  again = _records(tmp_path / 'two')
+  assert again[:2] == got[:2]
+  for k in got[2]:
+    np.testing.assert_allclose(again[2][k], got[2][k], rtol=1e-5, err_msg=k)
 
 
 @pytest.mark.parametrize('overrides,match', [

@@ -150,8 +150,12 @@ def test_benchmark_conv_impl_reaches_the_round_and_the_record():
     (dict(batch_size=1), '--batch_size = 1 is invalid: must be an integer >= 2'),
     (dict(setting='gpu'), "--setting = 'gpu' is invalid: must be one of ['byol', 'cross_device', "
                           "'scale', 'conv_layers']"),
+    (dict(setting='scale', processes=['2', '0']), "--processes = '2,0' is invalid: must be "
+                                                  'comma-separated integers >= 1'),
+    (dict(processes=['2']), "--processes = '2' is invalid with --setting = 'byol': only the "
+                            'scale setting measures placements'),
 ], ids=['precision', 'peak_count', 'peak_zero', 'scale_precision', 'clients', 'variant_precision',
-        'batch_size', 'setting'])
+        'batch_size', 'setting', 'processes', 'processes_setting'])
 def test_bad_settings_are_refused_when_built(given, message):
   with pytest.raises(cv.ConfigError) as e:
     settings.make(**given)

@@ -85,11 +85,16 @@ def test_host_client_state_keeps_the_other_clients_off_the_device(device_plan):
 TINY_DATA_BYTES = 192 * 32 * 32 * 3 + 192 * 4 + 6 * 4 * 2
 
 
+# placement 'divided': the 4 participants' padded views (n_max 32 rows each: TINY's 192 images cut
+# IID over 6 clients) of 32x32x3 uint8 and int32 labels, the 6 sizes and offsets.
+TINY_ROUND_BYTES = 4 * 32 * (32 * 32 * 3 + 4) + 6 * 4 * 2
+
+
 def _ceil_div(a, b):
   return -(-a // b)
 
 
-def test_hosts_and_devices_divide_only_the_participants_today():
+def test_hosts_and_devices_divide_the_participants_and_divided_placement_the_data():
   # 2 hosts x 2 GPUs, 4 participants: each device trains 1; the data and the 6 stored states are
   # on every device whole, and every host loads the whole data.
   p = plan.plan(_config(clients_per_round=4), hosts=2, devices_per_host=2)
@@ -101,14 +106,15 @@ def test_hosts_and_devices_divide_only_the_participants_today():
   assert p['bytes_per_device'] == one['total_bytes'] == p['total_bytes']
   assert p['input_bytes'] == one['input_bytes']  # the 6 stored states and the data, whole
   assert p['bytes_per_host'] == TINY_DATA_BYTES   # GPU target, device-resident states
-  replicated = TINY_DATA_BYTES + 6 * one['stored_client_bytes']
-  assert p['bytes_per_device_when_placed'] == (one['total_bytes'] - replicated +
-                                               _ceil_div(replicated, 4))
-  assert p['bytes_per_host_when_placed'] == _ceil_div(TINY_DATA_BYTES, 2)
+  # placement 'divided': every device gets the 4 participants' padded rows in place of the data;
+  # each host holds half the data and those rows.
+  assert p['round_data_bytes_divided'] == TINY_ROUND_BYTES
+  assert p['bytes_per_device_divided'] == one['total_bytes'] - TINY_DATA_BYTES + TINY_ROUND_BYTES
+  assert p['bytes_per_host_divided'] == _ceil_div(TINY_DATA_BYTES, 2) + TINY_ROUND_BYTES
   # FLOPs are the whole round's: 4 participants of 4 steps.
   assert p['steps_per_round'] == 4 * (192 // 6 // 8)
-  assert p['fits'] and 'per host, today' in plan.text(p)
-  assert 'when client placement lands (issue 67 item 1, not built' in plan.text(p)
+  assert p['fits'] and 'per host, replicated' in plan.text(p)
+  assert 'with --config.placement=divided: per device' in plan.text(p)
 
 
 def test_host_resident_states_are_in_every_process_and_on_a_cpu_target_so_are_its_devices():
@@ -126,9 +132,9 @@ def test_host_resident_states_are_in_every_process_and_on_a_cpu_target_so_are_it
   assert p['replicated_client_state_bytes'] == 4 * s
   assert p['host_client_state_bytes'] == 6 * s
   assert p['bytes_per_host'] == TINY_DATA_BYTES + 6 * s + 2 * p['bytes_per_device']
-  placed = p['bytes_per_device'] - (TINY_DATA_BYTES + 4 * s) + _ceil_div(TINY_DATA_BYTES + 4 * s, 2)
-  assert p['bytes_per_device_when_placed'] == placed
-  assert p['bytes_per_host_when_placed'] == TINY_DATA_BYTES + 6 * s + 2 * placed
+  divided = p['bytes_per_device'] - TINY_DATA_BYTES + TINY_ROUND_BYTES
+  assert p['bytes_per_device_divided'] == divided
+  assert p['bytes_per_host_divided'] == TINY_DATA_BYTES + 6 * s + TINY_ROUND_BYTES + 2 * divided
 
 
 @pytest.mark.parametrize('hosts, devices, m, message', [

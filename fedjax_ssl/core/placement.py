@@ -1,0 +1,221 @@
+"""Placement of the client axis over processes: who holds which clients' data and state.
+
+* 'replicated' (the default): every process holds every client's rows (`FedData`) and, with
+  `client_state='host'`, every client's stored state; only the participants' work is split
+  (strategies.py).
+* 'divided': the C clients are cut into P contiguous blocks, block p held by process p
+  (`owned_range`): its clients' rows (`LocalClients`) and, with `client_state='host'`, their stored
+  states. A process's resident client data and state are about 1/P of the whole.
+
+Under 'divided' each round's participants reach every process by one JAX all-gather
+(`exchange`, `multihost_utils.process_allgather`) of the rows their owners hold; the round then
+runs the same traced program as 'replicated' on a `FedData` holding only the participants' rows
+(`participant_data`, same `n`, `n_max`, `n_min`): the offsets point into the smaller array and the
+rows read are the same bytes, so a run's numbers do not depend on the process count
+(tests/core/test_placement.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from fedjax_ssl.data.types import FedData
+
+PLACEMENTS = ('replicated', 'divided')
+
+
+def owned_range(num_clients: int, process_index: int, process_count: int) -> Tuple[int, int]:
+  """[lo, hi): the clients process `process_index` of `process_count` holds (np.array_split's cut:
+  the first C mod P blocks one client longer)."""
+  if not 1 <= process_count <= num_clients:
+    raise ValueError(f'process count {process_count} is invalid for placement "divided": must be in '
+                     f'[1, num_clients={num_clients}] (each process holds at least one client)')
+  base, extra = divmod(num_clients, process_count)
+  lo = process_index * base + min(process_index, extra)
+  return lo, lo + base + (process_index < extra)
+
+
+def owners(ids: np.ndarray, num_clients: int, process_count: int) -> np.ndarray:
+  """int [m]: the process holding each client of `ids`."""
+  bounds = np.array([owned_range(num_clients, p, process_count)[1] for p in range(process_count)])
+  return np.searchsorted(bounds, np.asarray(ids), side='right')
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClients:
+  """The clients one process holds under 'divided' (host numpy).
+
+  Attributes:
+    lo, hi: this process holds global clients lo .. hi - 1.
+    x: uint8 [Σ_{lo<=c<hi} n_c, H, W, ch], the held clients' rows, flat (FedData's layout).
+    y: int32 [same rows].
+    offsets: int64 [hi - lo], first row of each held client in `x`.
+    n: int32 [C], every client's size (known to every process: the partition is drawn from the
+      labels of all rows).
+    n_max, n_min: max(n) (at least 1) and min(n) over all clients, as FedData's.
+    public_x: uint8 [L, H, W, ch] or None; every process holds the public set.
+    process_count: P.
+  """
+  lo: int
+  hi: int
+  x: np.ndarray
+  y: np.ndarray
+  offsets: np.ndarray
+  n: np.ndarray
+  n_max: int
+  n_min: int
+  public_x: Optional[np.ndarray]
+  process_count: int
+
+  @property
+  def num_clients(self) -> int:
+    return int(self.n.shape[0])
+
+  def client_rows(self, cid: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The held client `cid`'s padded view: x uint8 [n_max, ...] (zeros past n), y int32 [n_max]
+    (-1 past n), as FedData.client."""
+    if not self.lo <= cid < self.hi:
+      raise ValueError(f'client {cid} is not held by this process: it holds [{self.lo}, {self.hi})')
+    start, k = int(self.offsets[cid - self.lo]), int(self.n[cid])
+    x = np.zeros((self.n_max,) + self.x.shape[1:], self.x.dtype)
+    y = np.full((self.n_max,), -1, np.int32)
+    x[:k], y[:k] = self.x[start:start + k], self.y[start:start + k]
+    return x, y
+
+
+def divide(fed: FedData, process_index: int, process_count: int) -> LocalClients:
+  """The share of a whole `FedData` that process `process_index` holds (host copies of its rows;
+  the caller drops `fed` afterwards)."""
+  n = np.asarray(jax.device_get(fed.n)).astype(np.int32)
+  offsets = np.asarray(jax.device_get(fed.offsets)).astype(np.int64)
+  lo, hi = owned_range(len(n), process_index, process_count)
+  start = int(offsets[lo])
+  stop = int(offsets[hi - 1] + n[hi - 1])
+  x, y = np.asarray(jax.device_get(fed.x)), np.asarray(jax.device_get(fed.y))
+  public = None if fed.public_x is None else np.asarray(jax.device_get(fed.public_x))
+  return LocalClients(lo=lo, hi=hi, x=x[start:stop].copy(), y=y[start:stop].astype(np.int32),
+                      offsets=offsets[lo:hi] - start, n=n, n_max=int(fed.n_max),
+                      n_min=int(n.min()) if len(n) else 0, public_x=public,
+                      process_count=process_count)
+
+
+def exchange(held: Any, owner: np.ndarray, process_count: int) -> Any:
+  """Every participant's rows on every process, from the rows their owners hold.
+
+  Args:
+    held: pytree of numpy arrays [k, ...]: this process's participants' rows, in slot order
+      (k = the number of slots whose owner is this process).
+    owner: int [m], the process holding each slot's client.
+    process_count: P.
+  Returns:
+    the pytree with leaves [m, ...] in slot order, equal on every process. One all-gather of
+    P · max_p k_p rows per leaf; exact (rows are moved, never summed).
+  """
+  if process_count == 1:
+    return held
+  owner = np.asarray(owner)
+  k_max = int(np.bincount(owner, minlength=process_count).max())
+  padded = jax.tree_util.tree_map(
+      lambda a: np.concatenate([a, np.zeros((k_max - a.shape[0],) + a.shape[1:], a.dtype)]), held)
+  gathered = multihost_utils.process_allgather(padded)  # leaves [P, k_max, ...]
+  rank = np.array([np.sum(owner[:j] == owner[j]) for j in range(len(owner))], np.int64)
+  return jax.tree_util.tree_map(lambda g: np.asarray(g)[owner, rank], gathered)
+
+
+def participant_data(local: LocalClients, ids: np.ndarray) -> FedData:
+  """A FedData (host numpy) holding only the participants' rows, for the round of `ids`.
+
+  Participant j's padded view occupies rows j·n_max .. (j+1)·n_max - 1 of `x` and
+  offsets[ids[j]] = j·n_max; `n`, `n_max` and `n_min` are the whole federation's, so a round on it
+  reads the same rows a round on the whole FedData reads. Offsets of non-participants are 0: a
+  round reads no one else's rows (an algorithm whose `prepare` does is refused, round.validate).
+
+  Args:
+    ids: int [m], the round's participants (every process passes the same).
+  """
+  ids = np.asarray(ids)
+  owner = owners(ids, local.num_clients, local.process_count)
+  me = owners(np.array([local.lo]), local.num_clients, local.process_count)[0]
+  rows = [local.client_rows(int(c)) for c in ids[owner == me]]
+  empty = (np.zeros((0, local.n_max) + local.x.shape[1:], local.x.dtype),
+           np.zeros((0, local.n_max), np.int32))
+  held = tuple(np.stack(r) for r in zip(*rows)) if rows else empty
+  x, y = exchange(held, owner, local.process_count)
+  offsets = np.zeros((local.num_clients,), np.int32)
+  offsets[ids] = np.arange(len(ids), dtype=np.int32) * local.n_max
+  return FedData(x=x.reshape((-1,) + x.shape[2:]), y=y.reshape(-1), n=local.n, offsets=offsets,
+                 n_max=local.n_max, public_x=local.public_x, n_min=local.n_min)
+
+
+def local_rows(stack: Any, lo: int, hi: int) -> Any:
+  """The rows lo .. hi - 1 of a stacked client pytree (host numpy), copied."""
+  return jax.tree_util.tree_map(lambda a: np.array(a[lo:hi], copy=True), stack)
+
+
+def participant_states(stack: Any, local: LocalClients, ids: np.ndarray) -> Any:
+  """The participants' stored states [m, ...] from the held stack (leaves [hi - lo, ...]), via
+  `exchange`."""
+  ids = np.asarray(ids)
+  owner = owners(ids, local.num_clients, local.process_count)
+  mine = (ids >= local.lo) & (ids < local.hi)
+  held = jax.tree_util.tree_map(lambda a: a[ids[mine] - local.lo], stack)
+  return exchange(held, owner, local.process_count)
+
+
+def store_states(stack: Any, new: Any, local: LocalClients, ids: np.ndarray,
+                 valid: np.ndarray) -> None:
+  """Writes the held participants' new states (leaves [m, ...]) into `stack` in place."""
+  ids = np.asarray(ids)
+  put = np.asarray(valid) & (ids >= local.lo) & (ids < local.hi)
+
+  def write(a, b):
+    a[ids[put] - local.lo] = b[put]
+  jax.tree_util.tree_map(write, stack, new)
+
+
+def check_processes(num_clients: int, process_count: int, client_state: str) -> None:
+  """Raises before compute when `process_count` processes cannot divide the clients: each must
+  hold one client at least, and with client_state 'host' the same number (a checkpoint stores the
+  held rows as one array cut evenly over the processes, `to_global`)."""
+  owned_range(num_clients, 0, process_count)
+  if client_state == 'host' and num_clients % process_count:
+    raise ValueError(f"num_clients = {num_clients} is invalid for placement 'divided' with "
+                     f"client_state 'host' on {process_count} processes: must be a multiple of "
+                     'the process count (each process checkpoints an equal block of clients)')
+
+
+def _process_sharding() -> jax.sharding.NamedSharding:
+  """The client axis cut over the processes: one device of each (its first), in process order."""
+  firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+            for p in range(jax.process_count())]
+  mesh = jax.sharding.Mesh(np.array(firsts), ('processes',))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('processes'))
+
+
+def to_global(held: Any, num_clients: int) -> Any:
+  """The held rows (leaves [C / P, ...], host numpy) as global arrays [C, ...] cut over the
+  processes, each process contributing its rows (no transfer): what a checkpoint saves, each
+  process writing its own block."""
+  sharding = _process_sharding()
+  return jax.tree_util.tree_map(
+      lambda a: jax.make_array_from_process_local_data(sharding, a, (num_clients,) + a.shape[1:]),
+      held)
+
+
+def global_template(held: Any, num_clients: int) -> Any:
+  """`jax.ShapeDtypeStruct`s of `to_global(held)` under this run's process count: a checkpoint
+  written under another count is read back cut for this one."""
+  sharding = _process_sharding()
+  return jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct((num_clients,) + a.shape[1:], a.dtype, sharding=sharding),
+      held)
+
+
+def to_held(global_tree: Any) -> Any:
+  """This process's rows of global arrays cut over the processes, as host numpy."""
+  return jax.tree_util.tree_map(lambda a: np.array(a.addressable_shards[0].data, copy=True),
+                                global_tree)

@@ -1,0 +1,142 @@
+"""Placement 'divided' (core/placement.py): each process holds its block of clients; a round on the
+participants' rows gathered from their owners equals the round on the whole data. Two processes
+against one: tests/core/test_scale.py."""
+import dataclasses
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_ssl.core import placement, rng
+from fedjax_ssl.core import round as rd
+from fedjax_ssl.core.algorithm import Prepare
+from tests import subprocess_env
+from tests.core import test_round_equivalence as eq
+from tests.core import test_scale
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize('clients,processes', [(6, 1), (6, 4), (7, 3), (5, 5)])
+def test_owned_ranges_cut_the_clients_as_array_split(clients, processes):
+  blocks = [placement.owned_range(clients, p, processes) for p in range(processes)]
+  want = [(int(b[0]), int(b[-1]) + 1) for b in np.array_split(np.arange(clients), processes)]
+  assert blocks == want
+  ids = np.arange(clients)
+  np.testing.assert_array_equal(placement.owners(ids, clients, processes),
+                                [next(p for p, (lo, hi) in enumerate(blocks) if lo <= c < hi)
+                                 for c in ids])
+
+
+def test_more_processes_than_clients_is_refused():
+  with pytest.raises(ValueError, match=r'process count 7 is invalid for placement "divided": must '
+                                       r'be in \[1, num_clients=6\]'):
+    placement.owned_range(6, 0, 7)
+
+
+def test_the_participants_data_holds_their_padded_views():
+  fed = eq._data()
+  ids = np.array([4, 0, 3])
+  local = placement.divide(fed, 0, 1)
+  part = placement.participant_data(local, ids)
+  assert part.x.shape == (3 * fed.n_max,) + fed.x.shape[1:]
+  assert (part.n_max, part.n_min) == (fed.n_max, int(np.min(fed.n)))
+  np.testing.assert_array_equal(part.n, fed.n)
+  for c in ids:
+    for got, want in zip(part.client(c), fed.client(c)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # A process holding clients 2..3 of 6 (process 1 of 3) returns those clients' rows.
+  held = placement.divide(fed, 1, 3)
+  assert (held.lo, held.hi) == (2, 4)
+  assert held.x.shape[0] == int(fed.n[2] + fed.n[3])
+  for c in (2, 3):
+    x, y = held.client_rows(c)
+    want_x, want_y, _ = fed.client(c)
+    np.testing.assert_array_equal(x, np.asarray(want_x))
+    np.testing.assert_array_equal(y, np.asarray(want_y))
+  with pytest.raises(ValueError, match=r'client 4 is not held by this process: it holds \[2, 4\)'):
+    held.client_rows(4)
+
+
+def _rounds(name, placement_, client_state, rounds=2):
+  algo, _ = eq._algo(name)
+  fed = eq._data()
+  cfg = dataclasses.replace(eq._round_cfg('vmap', 4, client_state=client_state),
+                            placement=placement_)
+  step = rd.make_round_step(algo, cfg, eq.NUM_CLIENTS, donate=False)
+  state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state=client_state)
+  data = placement.divide(fed, 0, 1) if placement_ == 'divided' else fed
+  out = []
+  for r in range(rounds):
+    state, metrics = step(state, data, rng.round_key(jax.random.PRNGKey(7), r))
+    out.append(jax.device_get((state.clients, state.server, metrics)))
+  return out
+
+
+# FedEMA: per-client state (online, target, divergence) kept in host memory; FedSimCLR: stateless
+# clients on the device. 4 of 6 clients a round, so clients sit out and return.
+@pytest.mark.parametrize('name,client_state', [('fedema', 'host'), ('fedsimclr', 'device')])
+def test_a_divided_round_equals_the_replicated_round_bit_for_bit(name, client_state):
+  # The same program reads the same bytes at other offsets: no arithmetic differs.
+  want = _rounds(name, 'replicated', client_state)
+  got = _rounds(name, 'divided', client_state)
+  for r, (g, w) in enumerate(zip(got, want)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
+
+
+def test_divided_refuses_a_prepare_that_reads_other_clients():
+  algo = dataclasses.replace(eq._algo('fedema')[0], prepare=Prepare(
+      lambda state, data, ids, key: state.server, reads_data=True))
+  cfg = dataclasses.replace(eq._round_cfg('vmap', 4), placement='divided')
+  with pytest.raises(ValueError, match="placement = 'divided' is invalid for algorithm 'fedema': "
+                                       "its `prepare` reads clients other than the round's "
+                                       "participants; use 'replicated'"):
+    rd.make_round_step(algo, cfg, eq.NUM_CLIENTS)
+  with pytest.raises(ValueError, match=r"placement = 'spread' is invalid: must be one of "
+                                       r"\('replicated', 'divided'\)"):
+    rd.make_round_step(eq._algo('fedema')[0], dataclasses.replace(cfg, placement='spread'),
+                       eq.NUM_CLIENTS)
+
+
+def _workers(tmp_path, placement_, processes, devices_per_process):
+  """Runs tests/core/placement_worker.py as `processes` processes on 127.0.0.1; the .npz of each."""
+  env = subprocess_env.binary_env()
+  env['XLA_FLAGS'] = (f"{env['XLA_FLAGS']} "
+                      f'--xla_force_host_platform_device_count={devices_per_process}').strip()
+  port = test_scale._free_port()
+  outs = [tmp_path / f'{placement_}{processes}.{p}.npz' for p in range(processes)]
+  procs = [subprocess.Popen(
+      [sys.executable, '-m', 'tests.core.placement_worker', str(out), placement_, str(processes),
+       str(p), f'127.0.0.1:{port}'], cwd=REPO, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for p, out in enumerate(outs)]
+  try:
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  return [dict(np.load(o)) for o in outs]
+
+
+@pytest.mark.slow
+def test_two_processes_holding_half_the_clients_each_equal_one_process(tmp_path):
+  """FedEMA with host state, two rounds of 4 of 6 clients over a 2-device mesh: one process holding
+  everything (replicated) against two processes holding clients 0-2 and 3-5 (divided), whose
+  participants cross processes by `placement.exchange`. The mesh has two devices either way, so
+  the one cross-device sum adds the same two terms: bit for bit."""
+  (one,) = _workers(tmp_path, 'replicated', 1, 2)
+  two = _workers(tmp_path, 'divided', 2, 1)
+  assert [(int(t['lo']), int(t['hi'])) for t in two] == [(0, 3), (3, 6)]
+  for t in two:
+    lo, hi = int(t['lo']), int(t['hi'])
+    assert t.keys() == one.keys()
+    for k in t:
+      if k in ('lo', 'hi'):
+        continue
+      want = one[k][lo:hi] if "['clients']" in k else one[k]
+      np.testing.assert_array_equal(t[k], want, err_msg=k)
