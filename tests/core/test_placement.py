@@ -2,8 +2,6 @@
 participants' rows gathered from their owners equals the round on the whole data. Two processes
 against one: tests/core/test_scale.py."""
 import dataclasses
-import pathlib
-import subprocess
 import sys
 
 import jax
@@ -13,11 +11,8 @@ import pytest
 from fedjax_ssl.core import placement, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Prepare
-from tests import subprocess_env
 from tests.core import test_round_equivalence as eq
 from tests.core import test_scale
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize('clients,processes', [(6, 1), (6, 4), (7, 3), (5, 5)])
@@ -104,22 +99,11 @@ def test_divided_refuses_a_prepare_that_reads_other_clients():
 
 def _workers(tmp_path, placement_, processes, devices_per_process):
   """Runs tests/core/placement_worker.py as `processes` processes on 127.0.0.1; the .npz of each."""
-  env = subprocess_env.binary_env()
-  env['XLA_FLAGS'] = (f"{env['XLA_FLAGS']} "
-                      f'--xla_force_host_platform_device_count={devices_per_process}').strip()
   port = test_scale._free_port()
   outs = [tmp_path / f'{placement_}{processes}.{p}.npz' for p in range(processes)]
-  procs = [subprocess.Popen(
-      [sys.executable, '-m', 'tests.core.placement_worker', str(out), placement_, str(processes),
-       str(p), f'127.0.0.1:{port}'], cwd=REPO, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for p, out in enumerate(outs)]
-  try:
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-3000:]
+  test_scale.run_processes(
+      [[sys.executable, '-m', 'tests.core.placement_worker', str(out), placement_, str(processes),
+        str(p), f'127.0.0.1:{port}'] for p, out in enumerate(outs)], devices_per_process)
   return [dict(np.load(o)) for o in outs]
 
 

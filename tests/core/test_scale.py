@@ -138,16 +138,14 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _two_processes(workdir, extra=(), devices_per_process=2):
-  """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
+def run_processes(commands, devices_per_process):
+  """Runs each command (an argv) as one process of the repository, each with
+  `devices_per_process` CPU devices; asserts they all succeed and returns their console outputs."""
   env = subprocess_env.binary_env()  # the caller's flags and the suite's fast compile
   env['XLA_FLAGS'] = (f"{env['XLA_FLAGS']} "
                       f'--xla_force_host_platform_device_count={devices_per_process}').strip()
-  common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
-      *extra, f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
-  procs = [subprocess.Popen(common + [f'--process_id={i}'], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  procs = [subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for argv in commands]
   try:
     outs = [p.communicate(timeout=300)[0] for p in procs]
   finally:
@@ -155,7 +153,22 @@ def _two_processes(workdir, extra=(), devices_per_process=2):
       p.kill()
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out[-3000:]
-  return outs[0]
+  return outs
+
+
+def _two_processes(workdir, extra=(), devices_per_process=2):
+  """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
+  common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
+      *extra, f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
+  return run_processes([common + [f'--process_id={i}'] for i in range(2)], devices_per_process)[0]
+
+
+def _assert_records_close(got, want):
+  """The metrics rows agree key by key, to the float rounding of cross-device sums."""
+  for g, w in zip(got, want):
+    assert g.keys() == w.keys()
+    for k in g:
+      np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f'round {g["round"]} {k}')
 
 
 def _records(workdir):
@@ -184,10 +197,7 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
   # Only process 0 writes: one log, one metrics file; the other process logs to its own file.
   assert (tmp_path / 'two' / 'train.process1.log').exists()
   assert [r['round'] for r in got] == [0, 1, 2]
-  for g, w in zip(got, want):
-    assert g.keys() == w.keys()
-    for k in g:
-      np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f'round {g["round"]} {k}')
+  _assert_records_close(got, want)
 
   # Resume: without the last checkpoint, the same command redoes round 2 from round 1's.
   shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
@@ -210,16 +220,12 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   _two_processes(tmp_path / 'two', extra=['--config.placement=divided'], devices_per_process=1)
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
-  for g, w in zip(got, want):
-    assert g.keys() == w.keys()
-    for k in g:
-      np.testing.assert_allclose(g[k], w[k], rtol=1e-5, err_msg=f'round {g["round"]} {k}')
+  _assert_records_close(got, want)
   shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
   train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
   again = _records(tmp_path / 'two')
   assert again[:2] == got[:2]
-  for k in got[2]:
-    np.testing.assert_allclose(again[2][k], got[2][k], rtol=1e-5, err_msg=k)
+  _assert_records_close(again[2:], got[2:])
 
 
 @pytest.mark.parametrize('overrides,match', [
