@@ -80,6 +80,13 @@ def main(argv):
     results = training.train_and_evaluate(
         config, _WORKDIR.value, restart=_RESTART.value,
         allow_config_change=_ALLOW_CONFIG_CHANGE.value, cache_dir=cache_dir)
+  except run_guard.PeerLost as e:
+    # Not `jax.distributed.shutdown()`: its barrier waits for the lost process until the
+    # heartbeat timeout and then aborts the interpreter with a stack dump.
+    sys.stdout.flush()
+    sys.stderr.write(f'error: {e}\n')
+    sys.stderr.flush()
+    os._exit(run_guard.EXIT_PEER_LOST)
   finally:
     if n > 1:
       jax.distributed.shutdown()

@@ -13,6 +13,9 @@ Exit statuses of `experiments.train` (the one place they are defined):
                        checkpoint left (one `error: ...` line naming the value and what is allowed).
   3    EXIT_DIVERGED   a round's loss or metrics, or the new server parameters, are not finite; the
                        run stopped at that round and results.json has "status": "diverged".
+  4    EXIT_PEER_LOST  several processes: a collective failed, most likely because another process
+                       of the run stopped; one `error: ...` line, the error itself in train.log; the
+                       same command on every process resumes from the last checkpoint.
   128 + signal         stopped by SIGINT (130) or SIGTERM (143) after finishing the round and saving
                        its checkpoint; the same command resumes (`exit_status_for_signal`).
 """
@@ -25,10 +28,15 @@ from fedjax_ssl.core import strategies
 
 EXIT_REFUSED = 1  # config_validation.run's status for a ConfigError, which RunStateError is
 EXIT_DIVERGED = 3
+EXIT_PEER_LOST = 4
 
 
 class RunStateError(cv.ConfigError):
   """The workdir's state refuses this run (reported as one `error:` line, exit status 1)."""
+
+
+class PeerLost(Exception):
+  """A collective of a several-process run failed (`EXIT_PEER_LOST`); the message is one line."""
 
 
 def agree_max(value: int) -> int:

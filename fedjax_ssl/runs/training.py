@@ -26,6 +26,7 @@ import logging
 import pathlib
 import signal
 import time
+import traceback
 
 import jax
 import numpy as np
@@ -92,6 +93,19 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               f'{e}: free space there, then rerun the same command; it resumes from '
               + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
               + ' with the metric rows before it') from None
+        except jax.errors.JaxRuntimeError as e:
+          if not strategies.multi_process():
+            raise
+          # A peer that died leaves this process's collective failing; the error goes to
+          # train.log and the console gets the cause (docs/notes/engine.md#eng-88).
+          console.log(f'process {process}: a collective failed:\n{traceback.format_exc()}')
+          saved = ckpt.latest_round()
+          raise run_guard.PeerLost(
+              f'process {process} of {jax.process_count()}: a collective of this run failed '
+              f'({str(e).splitlines()[0][:160]}): another process most likely stopped (see its '
+              'train.process<p>.log or the scheduler); rerun the same command on every process to '
+              'resume from ' + (f'the checkpoint of round {saved}' if saved is not None else
+                                'the start')) from None
 
 
 def _acquire(held: lock.WorkdirLock, rundir: RunDir) -> str | None:

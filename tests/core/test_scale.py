@@ -228,6 +228,42 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   _assert_records_close(again[2:], got[2:])
 
 
+@pytest.mark.slow
+def test_a_killed_process_stops_the_others_with_one_line(tmp_path):
+  """SIGKILL process 1 in the middle of training: process 0's next collective fails, and it exits
+  at once with EXIT_PEER_LOST and one `error:` line (the traceback in its train.log), not after
+  the distributed heartbeat's timeout with an interpreter abort."""
+  import signal
+  import time
+  from fedjax_ssl.runs import run_guard
+  env = subprocess_env.binary_env()
+  flags = [f for f in TRAIN_FLAGS if not f.startswith(('--config.rounds', '--config.checkpoint'))]
+  common = [sys.executable, '-m', 'experiments.train', f'--workdir={tmp_path}'] + flags + [
+      '--config.rounds=1000', '--config.checkpoint_every=1000',
+      f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
+  procs = [subprocess.Popen(common + [f'--process_id={i}'], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  try:
+    metrics = tmp_path / 'metrics.jsonl'
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+      assert time.time() < deadline and procs[0].poll() is None, procs[0].communicate()
+      time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)
+    out, err = procs[0].communicate(timeout=60)
+  finally:
+    for p in procs:
+      p.kill()
+  assert procs[0].returncode == run_guard.EXIT_PEER_LOST, err[-2000:]
+  # stderr: JAX's start-up INFO lines, then the one error line, and no traceback.
+  last = err.strip().splitlines()[-1]
+  assert 'Traceback' not in err and err.count('error:') == 1, err[-2000:]
+  assert last.startswith('error: process 0 of 2: a collective of this run failed ('), last
+  assert last.endswith('rerun the same command on every process to resume from the start')
+  assert 'Traceback' in (tmp_path / 'train.log').read_text()
+
+
 @pytest.mark.parametrize('overrides,match', [
     (dict(client_state='disk'), "client_state = 'disk' is invalid"),
     (dict(vmap_shrink=0.5), 'vmap_shrink = 0.5 is invalid'),
