@@ -94,7 +94,7 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
               + ' with the metric rows before it') from None
         except jax.errors.JaxRuntimeError as e:
-          if not strategies.multi_process():
+          if not (strategies.multi_process() and any(m in str(e) for m in _PEER_LOST)):
             raise
           # A peer that died leaves this process's collective failing; the error goes to
           # train.log and the console gets the cause (docs/notes/engine.md#eng-88).
@@ -106,6 +106,12 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               'train.process<p>.log or the scheduler); rerun the same command on every process to '
               'resume from ' + (f'the checkpoint of round {saved}' if saved is not None else
                                 'the start')) from None
+
+
+# How a collective whose peer is gone fails (gloo on CPU, NCCL on GPU, the coordination service):
+# any other runtime error of a several-process run is this process's own and propagates as is.
+_PEER_LOST = ('Gloo', 'NCCL', 'Connection reset', 'Connection closed', 'UNAVAILABLE',
+              'DEADLINE_EXCEEDED')
 
 
 def _acquire(held: lock.WorkdirLock, rundir: RunDir) -> str | None:
