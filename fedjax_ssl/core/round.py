@@ -416,6 +416,10 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   small jitted call, their stored states copied to the device, the round (the same traced function
   as 'device') run on them, and their new states written back into the host arrays in place (the
   host counterpart of donation). The device then holds m participants' states, never C.
+  With cfg.placement = 'divided' the step takes this process's `placement.LocalClients` in place of
+  `fed_data` (and, with 'host', `state.clients` holds its clients only): a host-side wrapper
+  gathers the round's participants' rows and states from the processes that hold them and runs
+  the same traced round on them (core/placement.py).
 
   Participants are sampled over all clients. With cohorts, each cohort trains its own participants
   in min(m, C_c) static slots under the same strategy; a participant's keys depend only on its
