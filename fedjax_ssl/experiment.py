@@ -72,8 +72,10 @@ def load_data(config: ml_collections.ConfigDict) -> Dataset:
   return ds
 
 
-def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset) -> Tuple[FedData, Dict]:
-  """Partitions `dataset` into the on-device client layout; the dict has the class histogram."""
+def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset, on_host: bool = False
+                   ) -> Tuple[FedData, Dict]:
+  """Partitions `dataset` into the on-device client layout (numpy arrays with `on_host`); the dict
+  has the class histogram."""
   kw = {}
   if config.partition == 'dirichlet':
     kw['alpha'] = config.alpha
@@ -81,7 +83,8 @@ def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset) -> Tuple
     kw['classes_per_client'] = config.classes_per_client
   try:
     return partition.build_fed_data(dataset, config.num_clients, config.partition,
-                                    seed=config.seed, public_size=config.public_size, **kw)
+                                    seed=config.seed, public_size=config.public_size,
+                                    on_host=on_host, **kw)
   except ValueError as e:  # a partition that cannot be drawn: one line, before any compute
     raise cv.ConfigError(f'config.num_clients = {config.num_clients} with config.partition = '
                          f'{config.partition!r}' + (f' (alpha = {config.alpha})' if 'alpha' in kw

@@ -281,8 +281,8 @@ def class_histogram(labels, parts, num_classes: int) -> np.ndarray:
 
 
 def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int,
-                   public_size: int = 0, public_stratified: bool = False, **scheme_kw
-                   ) -> Tuple[FedData, Dict]:
+                   public_size: int = 0, public_stratified: bool = False, on_host: bool = False,
+                   **scheme_kw) -> Tuple[FedData, Dict]:
   """Carves the public set (if any) from dataset.train, partitions the rest and stacks it.
 
   Args:
@@ -292,6 +292,7 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
     public_size: L examples carved out first (`carve_public`) and excluded from every client;
       0 = no public set.
     public_stratified: class-stratified public set.
+    on_host: numpy arrays instead of device arrays (`FedData.from_clients`).
 
   Returns:
     fed_data: FedData in the flat layout (x uint8 [Σ n, H, W, ch], y int32 [Σ n], n and offsets
@@ -304,7 +305,7 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
     raise ValueError(f'unknown partition keyword(s) {unknown}; allowed: {list(_SCHEME_KWARGS)}')
   if dataset.unlabeled_x is not None:
     return _build_unlabelled(dataset, num_clients, scheme, seed=seed, public_size=public_size,
-                             **scheme_kw)
+                             on_host=on_host, **scheme_kw)
   num_train = dataset.train_y.shape[0]
   _check_int('public_size', public_size, 0, num_train - 1)
   validate_partition_args(num_train - public_size, dataset.num_classes, num_clients, scheme,
@@ -318,14 +319,14 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
 
   public_x = dataset.train_x[public_idx] if public_size else None
   fed = FedData.from_clients([dataset.train_x[idx] for idx in indices],
-                             [dataset.train_y[idx] for idx in indices], public_x)
+                             [dataset.train_y[idx] for idx in indices], public_x, on_host=on_host)
   info = dict(histogram=class_histogram(dataset.train_y, indices, dataset.num_classes),
               indices=indices, public_idx=public_idx)
   return fed, info
 
 
 def _build_unlabelled(dataset: Dataset, num_clients: int, scheme: str, *, seed: int,
-                      public_size: int, **scheme_kw) -> Tuple[FedData, Dict]:
+                      public_size: int, on_host: bool, **scheme_kw) -> Tuple[FedData, Dict]:
   """build_fed_data for a dataset whose clients train on `unlabeled_x`: an IID split (there are no
   labels to skew by), labels -1; the histogram has one column (the unlabelled images);
   info['indices'] index unlabeled_x."""
@@ -342,7 +343,8 @@ def _build_unlabelled(dataset: Dataset, num_clients: int, scheme: str, *, seed: 
   indices = [remaining[p] for p in parts]
   public_x = dataset.unlabeled_x[public_idx] if public_size else None
   fed = FedData.from_clients([dataset.unlabeled_x[idx] for idx in indices],
-                             [np.full(len(idx), -1, np.int32) for idx in indices], public_x)
+                             [np.full(len(idx), -1, np.int32) for idx in indices], public_x,
+                             on_host=on_host)
   return fed, dict(histogram=class_histogram(no_labels, indices, 1), indices=indices,
                    public_idx=public_idx)
 

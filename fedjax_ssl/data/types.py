@@ -128,12 +128,14 @@ class FedData:
 
   @classmethod
   def from_clients(cls, xs: Sequence[np.ndarray], ys: Sequence[np.ndarray],
-                   public_x: Optional[np.ndarray] = None, n_max: Optional[int] = None
-                   ) -> 'FedData':
+                   public_x: Optional[np.ndarray] = None, n_max: Optional[int] = None,
+                   on_host: bool = False) -> 'FedData':
     """Builds the flat layout from per-client arrays xs[c] [n_c, H, W, ch] and ys[c] [n_c].
 
     n_max: the padded view's length (default max n_c); a larger value only lengthens each client's
       permutation draw, as a wider padding did in a padded layout.
+    on_host: numpy arrays instead of device arrays (placement 'divided' keeps a block of them,
+      core/placement.py, and never puts the whole federation on a device).
     """
     if len(xs) != len(ys) or not xs:
       raise ValueError(f'need one label array per client and at least one client; got {len(xs)} '
@@ -149,10 +151,10 @@ class FedData:
     if not len(x):  # keep one (never read) row so that gathers have something to clamp to
       x, y = np.zeros((1,) + np.asarray(xs[0]).shape[1:], np.uint8), np.full((1,), -1, np.int32)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return cls(x=jnp.asarray(x), y=jnp.asarray(y), n=jnp.asarray(sizes, jnp.int32),
-               offsets=jnp.asarray(offsets, jnp.int32), n_max=n_max or largest,
-               public_x=None if public_x is None else jnp.asarray(public_x),
-               n_min=int(sizes.min()))
+    to = np.asarray if on_host else jnp.asarray
+    return cls(x=to(x), y=to(y), n=to(sizes.astype(np.int32)),
+               offsets=to(offsets.astype(np.int32)), n_max=n_max or largest,
+               public_x=None if public_x is None else to(public_x), n_min=int(sizes.min()))
 
   @classmethod
   def from_padded(cls, x, y, n, public_x=None) -> 'FedData':

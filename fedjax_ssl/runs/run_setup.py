@@ -171,7 +171,10 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   dataset = experiment.load_data(config)
   if not known_before_loading:  # validate_config could not check the sizes: check them now
     configuration.check_data_config(config, DatasetInfo.of(dataset))
-  fed_data, info = experiment.build_fed_data(config, dataset)
+  # Under placement 'divided' the whole federation never goes to a device: each process keeps
+  # its block on the host (`_divide`).
+  fed_data, info = experiment.build_fed_data(config, dataset,
+                                             on_host=config.placement == 'divided')
   console.say(_data_summary(config, dataset) + '\n' +
               partition.format_histogram(info['histogram']))
   # Per-client results (issue 69): the splits, refused before any compute when a client's is small.
