@@ -271,6 +271,13 @@ def test_build_fed_data(tiny_dataset, scheme, kw):
   assert info['histogram'].dtype == np.int64
   np.testing.assert_array_equal(info['histogram'], ref)
   np.testing.assert_array_equal(np.asarray(fed.public_x), ds.train_x[info['public_idx']])
+  # on_host (placement 'divided'): the same arrays, as numpy, nothing on a device.
+  host, _ = P.build_fed_data(ds, 5, scheme, seed=3, public_size=40, on_host=True, **kw)
+  for a, b in zip((host.x, host.y, host.n, host.offsets, host.public_x),
+                  (fed.x, fed.y, fed.n, fed.offsets, fed.public_x)):
+    assert isinstance(a, np.ndarray) and a.dtype == b.dtype
+    np.testing.assert_array_equal(a, np.asarray(b))
+  assert (host.n_max, host.n_min) == (fed.n_max, fed.n_min)
 
 
 def test_build_fed_data_no_public_and_determinism(tiny_dataset):
