@@ -27,6 +27,8 @@ import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import os  # noqa: E402
+import socket  # noqa: E402
+import time  # noqa: E402
 
 from fedjax_ssl import config_validation as cv  # noqa: E402
 from fedjax_ssl import configuration, experiment, run_identity  # noqa: E402
@@ -40,6 +42,9 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None,
                                    'HOST:PORT of process 0, for a run over several processes.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', 1, 'Processes of the run (jax.distributed).')
 _PROCESS_ID = flags.DEFINE_integer('process_id', 0, 'This process, in [0, num_processes).')
+_COORDINATOR_TIMEOUT = flags.DEFINE_integer(
+    'coordinator_timeout', 300, 'Seconds a process other than 0 waits for --coordinator_address '
+    'to accept a connection before it stops with one line.')
 _RESTART = flags.DEFINE_bool(
     'restart', False, 'Start over from round 0 when no checkpoint of the workdir can be read back '
     '(they are kept under checkpoints/corrupt/); without it such a run stops.')
@@ -55,6 +60,28 @@ _CACHE_DIR = flags.DEFINE_string(
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
+def _wait_for_coordinator(address: str, timeout: int, pid: int, n: int) -> None:
+  """Returns once `address` accepts a TCP connection; ConfigError after `timeout` seconds.
+
+  jax.distributed's own wait ends in an interpreter abort and a stack dump (a failed check in its
+  client), so the address is tried here first."""
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    raise cv.ConfigError(f'--coordinator_address = {address!r} is invalid: must be HOST:PORT')
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      socket.create_connection((host.strip('[]'), int(port)), timeout=2).close()
+      return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise cv.ConfigError(
+            f'--coordinator_address = {address} did not accept a connection within {timeout} s '
+            f'(process {pid} of {n}: {e.strerror or e}): start process 0, which serves it, and '
+            'check the host and port (--coordinator_timeout)') from None
+      time.sleep(0.5)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -66,6 +93,8 @@ def main(argv):
     if not _COORDINATOR.value:
       raise cv.ConfigError(f'--num_processes={n} needs --coordinator_address=HOST:PORT '
                            '(process 0\'s host and a free port)')
+    if pid > 0:
+      _wait_for_coordinator(_COORDINATOR.value, _COORDINATOR_TIMEOUT.value, pid, n)
     jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=n,
                                process_id=pid)
   try:

@@ -264,6 +264,22 @@ def test_a_killed_process_stops_the_others_with_one_line(tmp_path):
   assert 'Traceback' in (tmp_path / 'train.log').read_text()
 
 
+def test_a_coordinator_that_cannot_be_reached_is_one_line(tmp_path):
+  """Process 1 without a process 0: one `error:` line after --coordinator_timeout, not
+  jax.distributed's abort with a stack dump."""
+  address = f'127.0.0.1:{_free_port()}'
+  done = subprocess.run(
+      [sys.executable, '-m', 'experiments.train', '--config=configs/quickstart.py',
+       f'--workdir={tmp_path}', f'--coordinator_address={address}', '--num_processes=2',
+       '--process_id=1', '--coordinator_timeout=1'],
+      cwd=REPO, env=subprocess_env.binary_env(), capture_output=True, text=True, timeout=120)
+  assert done.returncode == 1, done.stderr[-2000:]
+  assert done.stderr.strip().splitlines() == [
+      f'error: --coordinator_address = {address} did not accept a connection within 1 s (process 1 '
+      'of 2: Connection refused): start process 0, which serves it, and check the host and port '
+      '(--coordinator_timeout)'], done.stderr[-2000:]
+
+
 @pytest.mark.parametrize('overrides,match', [
     (dict(client_state='disk'), "client_state = 'disk' is invalid"),
     (dict(vmap_shrink=0.5), 'vmap_shrink = 0.5 is invalid'),
