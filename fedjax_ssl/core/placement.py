@@ -122,7 +122,9 @@ def exchange(held: Any, owner: np.ndarray, process_count: int) -> Any:
   padded = jax.tree_util.tree_map(
       lambda a: np.concatenate([a, np.zeros((k_max - a.shape[0],) + a.shape[1:], a.dtype)]), held)
   gathered = multihost_utils.process_allgather(padded)  # leaves [P, k_max, ...]
-  rank = np.array([np.sum(owner[:j] == owner[j]) for j in range(len(owner))], np.int64)
+  rank = np.zeros(len(owner), np.int64)  # slot j's position among its owner's slots
+  for p in np.unique(owner):
+    rank[owner == p] = np.arange(np.sum(owner == p))
   return jax.tree_util.tree_map(lambda g: np.asarray(g)[owner, rank], gathered)
 
 

@@ -99,9 +99,11 @@ class Run:
   client_splits: Optional[list]
 
 
-def _divide(config, algo: Algorithm, fed_data: FedData) -> placement.LocalClients:
+def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialState
+            ) -> placement.LocalClients:
   """This process's share of the clients under placement 'divided'; ConfigError before compute
-  when the process count cannot divide them or the algorithm reads other clients before a round."""
+  when the process count cannot divide them, or the algorithm reads other clients before a round
+  or (with host-resident state) evaluates every client's model."""
   try:
     placement.check_processes(config.num_clients, jax.process_count(), config.client_state)
   except ValueError as e:
@@ -110,6 +112,11 @@ def _divide(config, algo: Algorithm, fed_data: FedData) -> placement.LocalClient
     rd.validate(experiment.round_config(config), config.num_clients, algo)
   except ValueError as e:
     raise cv.ConfigError(f'config.{e}') from None
+  # This process's block of the initial state (small) tells whether evaluation reads every client.
+  if _held(config) and algo.eval_variables(initial_state())[1]:
+    raise cv.ConfigError(f"config.placement = 'divided' with config.client_state = 'host' is "
+                         f"invalid for algorithm {config.algorithm!r}: its evaluation reads every "
+                         "client's model; use 'replicated' or client_state = 'device'")
   return placement.divide(fed_data, jax.process_index(), jax.process_count())
 
 
@@ -188,7 +195,7 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   initial_state = InitialState(config, algo, init_key)
   whole = fed_data  # the whole federation's shapes (message sizes, the strategy's program)
   if config.placement == 'divided':
-    fed_data = _divide(config, algo, fed_data)
+    fed_data = _divide(config, algo, fed_data, initial_state)
   else:
     fed_data = whole = strategies.replicate(fed_data)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
@@ -203,11 +210,6 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
     host = stored['host']   # the record keeps the host the run started on
   console.say(_header(config, algo, choice))
   state = initial_state()
-  if config.placement == 'divided' and config.client_state == 'host' and algo.eval_variables(
-      state)[1]:
-    raise cv.ConfigError(f"config.placement = 'divided' with config.client_state = 'host' is "
-                         f"invalid for algorithm {config.algorithm!r}: its evaluation reads every "
-                         "client's model; use 'replicated' or client_state = 'device'")
   round_cfg = experiment.round_config(config)
   per_participant = rd.message_bytes(algo, round_cfg, config.num_clients, state, whole)
   del whole  # under 'divided' this process keeps its own clients' rows only
