@@ -40,10 +40,13 @@ it is no longer a candidate). Orbax keeps no checksum of the array data: a
 flipped bit inside a compressed chunk that still decodes is not detected. A
 failed restore leaves residue that Python would print as tracebacks although
 the restore has already raised: TensorStore reads pending on the asyncio loop
-orbax has closed ("Event loop is closed", an unraisable error), and the read
-tasks that failed after the first one (asyncio's "Task exception was never
-retrieved", logged when the garbage collector frees the task, so at no fixed
-time). Both are dropped until ``close``.
+orbax has closed ("Event loop is closed", an unraisable error), orbax's read
+coroutines that raise their read error again when they are closed unfinished
+(also unraisable; seen when one process's block of a several-process
+checkpoint is damaged), and the read tasks that failed after the first one
+(asyncio's "Task exception was never retrieved", logged when the garbage
+collector frees the task, so at no fixed time). All are dropped until
+``close``.
 """
 
 from __future__ import annotations
@@ -113,14 +116,18 @@ def _reason(error: BaseException, step_dir: str) -> str:
   return text if len(text) <= 200 else text[:197] + '...'
 
 
-def _is_closed_loop_callback(unraisable) -> bool:
-  """Whether an unraisable error is TensorStore completing a read of a failed restore after orbax
-  closed that restore's asyncio loop (`call_soon_threadsafe` on a closed loop): harmless, the
-  restore has already raised; printed, it is a traceback per pending read."""
+def _is_failed_restore_residue(unraisable) -> bool:
+  """Whether an unraisable error is what a failed restore leaves behind, harmless because the
+  restore has already raised, and printed a traceback per pending read: TensorStore completing a
+  read after orbax closed that restore's asyncio loop (`call_soon_threadsafe` on a closed loop), or
+  one of orbax's read coroutines raising its read error again as it is closed unfinished."""
   exc = unraisable.exc_value
-  return (isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and
-          any(f.name == 'call_soon_threadsafe'
-              for f in traceback.extract_tb(unraisable.exc_traceback)))
+  if (isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed' and
+      any(f.name == 'call_soon_threadsafe'
+          for f in traceback.extract_tb(unraisable.exc_traceback))):
+    return True
+  code = getattr(unraisable.object, 'cr_code', None)
+  return code is not None and f'{os.sep}orbax{os.sep}checkpoint{os.sep}' in code.co_filename
 
 
 class _DropUnretrievedReadErrors(logging.Filter):
@@ -296,7 +303,7 @@ class Checkpointer:
           f'available rounds: {rounds}')
     if self._unraisablehook is None:  # until close(): the reads outlive a failed restore
       self._unraisablehook = sys.unraisablehook
-      sys.unraisablehook = self._drop_closed_loop_callbacks
+      sys.unraisablehook = self._drop_failed_restore_residue
       logging.getLogger('asyncio').addFilter(self._asyncio_filter)
     try:
       restored = self._manager.restore(
@@ -343,8 +350,8 @@ class Checkpointer:
     """Lists the rounds on disk again (after another process moved or saved one)."""
     self._manager.reload()
 
-  def _drop_closed_loop_callbacks(self, unraisable) -> None:
-    if not _is_closed_loop_callback(unraisable):
+  def _drop_failed_restore_residue(self, unraisable) -> None:
+    if not _is_failed_restore_residue(unraisable):
       self._unraisablehook(unraisable)
 
   def close(self) -> None:

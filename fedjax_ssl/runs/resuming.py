@@ -5,7 +5,7 @@ allowed; DP-FedAvg's ledger keys never), and the newest checkpoint that reads ba
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from fedjax_ssl import run_identity
 from fedjax_ssl.runs import checkpoint, logging_utils
@@ -91,15 +91,19 @@ def refuse_changed_config(rundir: RunDir, changes: Mapping[str, Tuple[Any, Any]]
 # ----------------------------------------------------------------------------------------------
 # Unreadable checkpoints
 # ----------------------------------------------------------------------------------------------
-def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *,
-                          console: Optional[logging_utils.Console] = None, moves: bool = True
-                          ) -> Optional[Tuple[int, Any, dict]]:
+def restore_newest_intact(
+    ckpt: checkpoint.Checkpointer, template: Any, *,
+    console: Optional[logging_utils.Console] = None, moves: bool = True,
+    check: Optional[Callable[[int, Any], Optional[str]]] = None
+) -> Optional[Tuple[int, Any, dict]]:
   """The newest checkpoint that restores, as `Checkpointer.restore` returns it; None when none does.
 
   Each newer one that cannot be read back is reported in one line (round, file, error; on
   `console`, by default this process's) and moved aside to `<checkpoints>/corrupt/<round>` (by the
-  process that `moves`, process 0; every process agrees first), never deleted. A checkpoint of another state layout (`ValueError`, e.g. a changed model) is not
-  unreadable: it propagates.
+  process that `moves`, process 0; every process agrees first), never deleted. A checkpoint of
+  another state layout (`ValueError`, e.g. a changed model) is not unreadable: it propagates.
+  `check(round, restored_state)`: why a checkpoint that read back is still not to be trusted (a
+  string, e.g. `run_setup.stale_block`), or None; such a checkpoint is reported and moved aside too.
   """
   console = console or logging_utils.Console()
   for round_idx in reversed(ckpt.all_rounds()):
@@ -107,6 +111,8 @@ def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *,
       restored, failure = ckpt.restore(template, round_idx), None
     except checkpoint.UnreadableCheckpoint as e:
       restored, failure = None, e
+    if restored is not None and check is not None:
+      failure = check(round_idx, restored[1])
     if not agree_max(failure is not None):
       return restored
     where = f'moved to {ckpt.move_aside(round_idx)}' if moves else 'moved aside by process 0'
@@ -114,6 +120,6 @@ def restore_newest_intact(ckpt: checkpoint.Checkpointer, template: Any, *,
     if not moves:
       ckpt.reload()
     cause = (str(failure) if failure else
-             f'checkpoint of round {round_idx} is unreadable on another process')
+             f'checkpoint of round {round_idx} is unreadable or stale on another process')
     console.report(f'warning: {cause}; {where}; trying the previous checkpoint')
   return None

@@ -14,12 +14,17 @@ Exit statuses of `experiments.train` (the one place they are defined):
   3    EXIT_DIVERGED   a round's loss or metrics, or the new server parameters, are not finite; the
                        run stopped at that round and results.json has "status": "diverged".
   4    EXIT_PEER_LOST  several processes: a collective failed, most likely because another process
-                       of the run stopped; one `error: ...` line, the error itself in train.log; the
-                       same command on every process resumes from the last checkpoint.
+                       of the run stopped; one `error: ...` line naming the stopped process where
+                       it can be told (`Peers.lost`), the error itself in train.log; the same
+                       command on every process resumes from the last checkpoint.
   128 + signal         stopped by SIGINT (130) or SIGTERM (143) after finishing the round and saving
                        its checkpoint; the same command resumes (`exit_status_for_signal`).
 """
 from __future__ import annotations
+
+import dataclasses
+import os
+import socket
 
 import numpy as np
 
@@ -46,3 +51,75 @@ def agree_max(value: int) -> int:
     return int(value)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+_HOST_BYTES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Peers:
+  """Each process's host name and pid, gathered once at the start of a several-process run, so
+  that a process whose collective failed can say which process stopped: gloo's and NCCL's errors
+  carry an address only, and the coordination service learns of a dead process only at its
+  heartbeat timeout (docs/notes/engine.md#eng-88)."""
+  hosts: tuple[str, ...]
+  pids: tuple[int, ...]
+
+  @classmethod
+  def gather(cls) -> 'Peers':
+    """Every process's (host, pid), by one all-gather that every process must reach."""
+    host = socket.gethostname().encode()[:_HOST_BYTES]
+    mine = np.zeros(8 + _HOST_BYTES, np.uint8)
+    mine[:8] = np.frombuffer(np.int64(os.getpid()).tobytes(), np.uint8)
+    mine[8:8 + len(host)] = np.frombuffer(host, np.uint8)
+    if strategies.multi_process():
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      rows = np.asarray(multihost_utils.process_allgather(mine))
+    else:
+      rows = mine[None]
+    return cls(hosts=tuple(bytes(r[8:]).rstrip(b'\0').decode(errors='replace') for r in rows),
+               pids=tuple(int(np.frombuffer(bytes(r[:8]), np.int64)[0]) for r in rows))
+
+  def lost(self, error: str) -> list[int]:
+    """The processes that most likely stopped: those on this host whose pid no longer runs, and
+    those on another host whose address `error` (the failed collective's text) names. [] when
+    none can be told."""
+    here = socket.gethostname()
+    lost = []
+    for p, (host, pid) in enumerate(zip(self.hosts, self.pids)):
+      if host == here:
+        if pid != os.getpid() and not _running(pid):
+          lost.append(p)
+      elif any(a in error for a in _addresses(host)):
+        lost.append(p)
+    return lost
+
+  def describe(self, processes: list[int]) -> str:
+    """'process 1 (pid 4242 on host h)', joined with ', '."""
+    return ', '.join(f'process {p} (pid {self.pids[p]} on {self.hosts[p]})' for p in processes)
+
+
+def _running(pid: int) -> bool:
+  """Whether `pid` is a live process; a killed child its parent has not reaped yet (a zombie,
+  state Z or X in /proc) counts as stopped."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+  except FileNotFoundError:
+    return False
+  except OSError:  # no /proc (not Linux): the signal-0 probe cannot see a zombie
+    try:
+      os.kill(pid, 0)
+    except ProcessLookupError:
+      return False
+    except PermissionError:
+      pass
+    return True
+
+
+def _addresses(host: str) -> list[str]:
+  """`host`'s IP addresses as a failed collective would print them ([] when it cannot be resolved)."""
+  try:
+    return [f'[{a}]' for a in socket.gethostbyname_ex(host)[2]]
+  except OSError:
+    return []

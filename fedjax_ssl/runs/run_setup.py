@@ -120,20 +120,41 @@ def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialSt
   return placement.divide(fed_data, jax.process_index(), jax.process_count())
 
 
-def checkpoint_form(run: Run, state: FedState) -> FedState:
-  """The state as a checkpoint stores it: under placement 'divided' with host-resident client
-  state, the held rows as one array of all clients cut over the processes (each process writes its
-  block); otherwise the state itself."""
+def checkpoint_form(run: Run, state: FedState, round_idx: int) -> FedState:
+  """The state as the checkpoint of `round_idx` stores it: under placement 'divided' with
+  host-resident client state, the held rows as one array of all clients cut over the processes
+  (each process writes its block), beside `round_idx` in every client's row (`stale_block`
+  compares it on restore); otherwise the state itself."""
   if not _held(run.config):
     return state
-  return state.replace(clients=placement.to_global(state.clients, run.config.num_clients))
+  rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
+  held = {_STATES: state.clients, _BLOCK_ROUND: np.full([rows], round_idx, np.int32)}
+  return state.replace(clients=placement.to_global(held, run.config.num_clients))
 
 
 def checkpoint_template(run: Run, state: FedState) -> FedState:
   """The template `checkpoint_form(state)` is restored into (cut for this run's processes)."""
   if not _held(run.config):
     return state
-  return state.replace(clients=placement.global_template(state.clients, run.config.num_clients))
+  rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
+  held = {_STATES: state.clients, _BLOCK_ROUND: np.zeros([rows], np.int32)}
+  return state.replace(clients=placement.global_template(held, run.config.num_clients))
+
+
+def stale_block(run: Run, round_idx: int, restored: FedState) -> str | None:
+  """Why the restored checkpoint of `round_idx` cannot be trusted, or None. Under placement
+  'divided' each process writes its own block of the client states; a block that another
+  checkpoint wrote (a process's files copied or synced from elsewhere) has the same shapes and
+  reads back without error, so each client's row carries the round its block was saved at."""
+  if not _held(run.config):
+    return None
+  saved = placement.to_held(restored.clients[_BLOCK_ROUND])
+  wrong = np.flatnonzero(saved != round_idx)
+  if not wrong.size:
+    return None
+  lo, _ = placement.owned_range(run.config.num_clients, jax.process_index(), jax.process_count())
+  return (f'checkpoint of round {round_idx} holds a block of another checkpoint: clients '
+          f'{lo + wrong[0]}-{lo + wrong[-1]} were saved at round {saved[wrong[0]]}')
 
 
 def from_checkpoint(run: Run, state: FedState) -> FedState:
@@ -141,7 +162,7 @@ def from_checkpoint(run: Run, state: FedState) -> FedState:
   one process the arrays are made uncommitted: orbax commits them to one device, which a 'shard'
   round over several devices refuses to mix with its mesh."""
   if _held(run.config):
-    state = state.replace(clients=placement.to_held(state.clients))
+    state = state.replace(clients=placement.to_held(state.clients[_STATES]))
   if strategies.multi_process():
     return state
   return state.replace(server=_uncommitted(state.server), round=_uncommitted(state.round),
@@ -158,6 +179,10 @@ def _uncommitted(tree):
                                       impl=jax.random.key_impl(a))
     return jnp.asarray(np.asarray(a))
   return jax.tree_util.tree_map(one, tree)
+
+
+# The keys of a divided checkpoint's client tree: the held states, and the round each row was saved at.
+_STATES, _BLOCK_ROUND = 'states', 'block_round'
 
 
 def _held(config) -> bool:

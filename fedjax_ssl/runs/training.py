@@ -82,6 +82,7 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
       log.open(rundir.log_file(process))
       if warning:
         console.report(warning)
+      peers = run_guard.Peers.gather() if strategies.multi_process() else None
       with signals.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
         try:
           return _run(config, rundir, ckpt, stop, console, bar_position=bar_position,
@@ -100,12 +101,16 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
           # train.log and the console gets the cause (docs/notes/engine.md#eng-88).
           console.log(f'process {process}: a collective failed:\n{traceback.format_exc()}')
           saved = ckpt.latest_round()
+          lost = peers.lost(str(e))
           raise run_guard.PeerLost(
               f'process {process} of {jax.process_count()}: a collective of this run failed '
-              f'({str(e).splitlines()[0][:160]}): another process most likely stopped (see its '
-              'train.process<p>.log or the scheduler); rerun the same command on every process to '
-              'resume from ' + (f'the checkpoint of round {saved}' if saved is not None else
-                                'the start')) from None
+              f'({str(e).splitlines()[0][:160]}): '
+              + (f'{peers.describe(lost)} stopped' if lost else
+                 'another process most likely stopped (see its train.process<p>.log or the '
+                 'scheduler)')
+              + '; rerun the same command on every process to resume from '
+              + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
+          ) from None
 
 
 # How a collective whose peer is gone fails (gloo on CPU, NCCL on GPU, the coordination service):
@@ -153,8 +158,9 @@ def resume(run: Run, ckpt: checkpoint.Checkpointer, state: FedState, *, restart:
   again."""
   if not (ckpt.all_rounds() or ckpt.moved_aside()):
     return 0, state
-  restored = resuming.restore_newest_intact(ckpt, run_setup.checkpoint_template(run, state),
-                                            console=run.console, moves=run.rundir.writes)
+  restored = resuming.restore_newest_intact(
+      ckpt, run_setup.checkpoint_template(run, state), console=run.console,
+      moves=run.rundir.writes, check=lambda r, restored: run_setup.stale_block(run, r, restored))
   if restored is not None:
     start, state, _ = restored
     state = run_setup.from_checkpoint(run, state)
@@ -260,7 +266,7 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSign
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
     with files.writing(run.rundir.checkpoints / str(r + 1)):
-      ckpt.maybe_save(r + 1, run_setup.checkpoint_form(run, state),
+      ckpt.maybe_save(r + 1, run_setup.checkpoint_form(run, state, r + 1),
                       metadata={'config': config.to_dict()},
                       force=r + 1 == config.rounds or bool(signum))
     if signum:

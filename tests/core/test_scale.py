@@ -208,12 +208,15 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resume_on_one(
-    tmp_path):
+    tmp_path, capfd):
   """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (rows and host state),
   process 1 clients 2-3, one device each; each saves its block of the checkpoint. The metrics equal
   a one-process run's to the float rounding of the cross-device sums (2 devices against the
   session's 4: the server average adds its terms in another order, ~1e-7 relative). Then one
-  process resumes the two processes' checkpoint of round 1, cut for it, and redoes round 2."""
+  process resumes the two processes' checkpoints, cut for it: round 2's with process 1's block
+  taken from round 1's is unreadable (one warning line, no orbax residue on the console) and moved
+  aside, and round 1's redoes round 2. Last, a whole checkpoint of round 1 copied as round 2's
+  reads back cleanly and is refused by the round each client's row was saved at."""
   from fedjax_ssl.runs import training as train
   train.train_and_evaluate(_config(), str(tmp_path / 'one'), verbose=False)
   want = _records(tmp_path / 'one')
@@ -221,11 +224,27 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
   _assert_records_close(got, want)
-  shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
+  ckpts = tmp_path / 'two' / 'checkpoints'
+  block = pathlib.Path('state') / 'ocdbt.process_1'
+  shutil.rmtree(ckpts / '2' / block)
+  shutil.copytree(ckpts / '1' / block, ckpts / '2' / block)
+  capfd.readouterr()
   train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
+  err = capfd.readouterr().err
+  assert f'warning: checkpoint of round 2 in {ckpts} is unreadable (' in err, err[-3000:]
+  assert f'moved to {ckpts / "corrupt" / "2"}; trying the previous checkpoint' in err
+  assert 'Exception ignored' not in err and 'Traceback' not in err, err[-3000:]
   again = _records(tmp_path / 'two')
   assert again[:2] == got[:2]
   _assert_records_close(again[2:], got[2:])
+
+  shutil.rmtree(ckpts / '2')
+  shutil.copytree(ckpts / '1', ckpts / '2')
+  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
+  err = capfd.readouterr().err
+  assert ('warning: checkpoint of round 2 holds a block of another checkpoint: clients 0-3 were '
+          f'saved at round 1; moved to {ckpts / "corrupt" / "2.1"}') in err, err[-3000:]
+  assert _records(tmp_path / 'two') == again
 
 
 @pytest.mark.slow
@@ -262,7 +281,8 @@ def test_a_killed_process_stops_the_others_with_one_line(tmp_path):
   last = err.strip().splitlines()[-1]
   assert 'Traceback' not in err and err.count('error:') == 1, err[-2000:]
   assert last.startswith('error: process 0 of 2: a collective of this run failed ('), last
-  assert last.endswith('rerun the same command on every process to resume from the start')
+  assert last.endswith(f'process 1 (pid {procs[1].pid} on {socket.gethostname()}) stopped; rerun '
+                       'the same command on every process to resume from the start'), last
   assert 'Traceback' in (tmp_path / 'train.log').read_text()
 
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -172,3 +173,31 @@ def test_unreadable_checkpoints_are_moved_aside_and_the_newest_intact_one_restor
     ckpt.maybe_save(3, state)  # the same round again: moved aside under another name
     _corrupt(tmp_path / '3', rng)
     assert ckpt.move_aside(3) == str(tmp_path / 'corrupt' / '3.1')
+
+
+def test_peers_name_the_process_that_stopped():
+  """`Peers.lost`: a pid on this host that no longer runs (reaped, or a zombie its parent has not
+  reaped) is lost; a live one is not; a process on another host is lost when the failed
+  collective's text names that host's address, as gloo prints it."""
+  here = socket.gethostname()
+  reaped = subprocess.Popen([sys.executable, '-c', 'pass'])
+  reaped.wait()
+  zombie = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+  zombie.kill()
+  live = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
+  try:
+    for _ in range(100):  # the kill is delivered asynchronously
+      if not run_guard._running(zombie.pid):
+        break
+      time.sleep(0.05)
+    other = '127.0.0.1'  # a host name unlike this one's that resolves without a network
+    peers = run_guard.Peers(hosts=(here, here, here, here, other),
+                            pids=(os.getpid(), reaped.pid, zombie.pid, live.pid, 1))
+    assert peers.lost('Gloo all-reduce failed: Read error [10.9.9.9]:4242') == [1, 2]
+    assert peers.lost('Read error [127.0.0.1]:4242: Connection reset by peer') == [1, 2, 4]
+    assert peers.describe([1]) == f'process 1 (pid {reaped.pid} on {here})'
+    assert run_guard.Peers.gather() == run_guard.Peers(hosts=(here,), pids=(os.getpid(),))
+  finally:
+    live.kill()
+    live.wait()
+    zombie.wait()
