@@ -298,7 +298,7 @@ def _round_data_bytes(data: FedData, config: ml_collections.ConfigDict) -> int:
 
 def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes: int,
              round_data_bytes: int, stored_client_bytes: int, hosts: int, devices_per_host: int,
-             target: str) -> Dict[str, Any]:
+             target: str, held_block: bool = True) -> Dict[str, Any]:
   """Bytes per device and per host of a round on hosts x devices_per_host devices, with the clients
   replicated (the default) and with `placement='divided'` (core/placement.py).
 
@@ -313,7 +313,9 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   participants' padded rows, `placement.participant_data`) every device receives that FedData in
   place of the whole data, and each host holds 1 / H of the data and of the host-resident states
   (an even cut: the hosts' blocks differ by one client at most) plus that FedData; device-resident
-  client state stays whole.
+  client state divides too when `held_block` (`rd.holds_block`, single-cohort algorithms: each
+  host's first device holds its C / H clients' states, and every device the round's m
+  participants' states, as under 'host'; cohorts keep the C states on every device).
   """
   devices = hosts * devices_per_host
   m, c = config.clients_per_round, config.num_clients
@@ -326,6 +328,9 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   per_device = mem['total_bytes'] + 2 * extra
   per_host = data_bytes + host_states + (devices_per_host * per_device if target == 'cpu' else 0)
   divided_device = per_device - data_bytes + round_data_bytes
+  if config.client_state == 'device' and held_block:
+    # The held block (the first device of each host) and the participants' states in place of C.
+    divided_device += (-(-c // hosts) + m - c) * stored_client_bytes
   divided_host = (-(-(data_bytes + host_states) // hosts) + round_data_bytes +
                   (devices_per_host * divided_device if target == 'cpu' else 0))
   return {
@@ -336,6 +341,8 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
       'bytes_per_device': per_device, 'bytes_per_host': per_host,
       'round_data_bytes_divided': round_data_bytes,
       'bytes_per_device_divided': divided_device, 'bytes_per_host_divided': divided_host,
+      'divided_device_block': bool(config.client_state == 'device' and held_block
+                                   and stored_client_bytes),
   }
 
 
@@ -374,7 +381,8 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
   per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, run_config)
   stored = _tree_bytes(s.state.clients) // config.num_clients
   topo = topology(config, mem, _tree_bytes(s.data), _round_data_bytes(s.data, config),
-                  stored, int(hosts), int(devices_per_host), target)
+                  stored, int(hosts), int(devices_per_host), target,
+                  held_block=rd.holds_block(s.algo, 'divided'))
   if devices > 1:  # the inputs every device holds whole under placement replicated (`topology`)
     extra = topo['other_participant_state_bytes']
     mem = dict(mem, input_bytes=mem['input_bytes'] + extra,
@@ -588,7 +596,8 @@ def topology_text(p: Dict[str, Any]) -> List[str]:
     lines.append(
         f'with --config.placement=divided: per device {_gib(p["bytes_per_device_divided"])} '
         f'(the round\'s participants\' rows, {_gib(p["round_data_bytes_divided"])}, in place of '
-        f'the data), per host {_gib(p["bytes_per_host_divided"])} (1 / {p["hosts"]} of the data'
+        f'the data' + ('; a host\'s first device holds its block of the client states'
+                       if p['divided_device_block'] else '') + f'), per host {_gib(p["bytes_per_host_divided"])} (1 / {p["hosts"]} of the data'
         + (' and of the host-resident states' if p['host_client_state_bytes'] else '') +
         ', plus those rows)')
   return lines

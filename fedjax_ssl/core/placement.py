@@ -4,8 +4,9 @@
   `client_state='host'`, every client's stored state; only the participants' work is split
   (strategies.py).
 * 'divided': the C clients are cut into P contiguous blocks, block p held by process p
-  (`owned_range`): its clients' rows (`LocalClients`) and, with `client_state='host'`, their stored
-  states. A process's resident client data and state are about 1/P of the whole.
+  (`owned_range`): its clients' rows (`LocalClients`) and their stored states, in host memory
+  (`client_state='host'`: numpy) or on the process's first device (`'device'`). A process's
+  resident client data and state are about 1/P of the whole.
 
 Under 'divided' each round's participants reach every process by one JAX all-gather
 (`exchange`, `multihost_utils.process_allgather`) of the rows their owners hold; the round then
@@ -17,6 +18,7 @@ rows read are the same bytes, so a run's numbers do not depend on the process co
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Tuple
 
 import jax
@@ -158,36 +160,85 @@ def local_rows(stack: Any, lo: int, hi: int) -> Any:
   return jax.tree_util.tree_map(lambda a: np.array(a[lo:hi], copy=True), stack)
 
 
-def participant_states(stack: Any, local: LocalClients, ids: np.ndarray) -> Any:
-  """The participants' stored states [m, ...] from the held stack (leaves [hi - lo, ...]), via
-  `exchange`."""
+def block_rows(local: LocalClients, ids: np.ndarray, valid: Optional[np.ndarray] = None
+               ) -> np.ndarray:
+  """int32 [m]: each slot's row in this process's block, or hi - lo (one past the block) for a
+  client another process holds (or a slot not `valid`): a gather clamps it, a scatter drops it."""
   ids = np.asarray(ids)
-  owner = owners(ids, local.num_clients, local.process_count)
-  mine = (ids >= local.lo) & (ids < local.hi)
-  held = jax.tree_util.tree_map(lambda a: a[ids[mine] - local.lo], stack)
-  return exchange(held, owner, local.process_count)
+  put = (ids >= local.lo) & (ids < local.hi)
+  if valid is not None:
+    put &= np.asarray(valid)
+  return np.where(put, ids - local.lo, local.hi - local.lo).astype(np.int32)
+
+
+@jax.jit
+def _take_rows(stack: Any, rows: jax.Array) -> Any:
+  return jax.tree_util.tree_map(lambda a: a.at[rows].get(mode='clip'), stack)
+
+
+def _put_rows(stack: Any, rows: jax.Array, new: Any) -> Any:
+  return jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b, mode='drop'), stack, new)
+
+
+_PUT_ROWS = {True: jax.jit(_put_rows, donate_argnums=0), False: jax.jit(_put_rows)}
+
+
+def participant_states(stack: Any, local: LocalClients, ids: np.ndarray) -> Any:
+  """The participants' stored states [m, ...] (host numpy) from the held stack (leaves
+  [hi - lo, ...], numpy or on one device), via `exchange`. On a device, one fixed-shape gather of
+  m rows (one program whatever the number held), then the held ones leave the device."""
+  rows = block_rows(local, ids)
+  mine = rows < local.hi - local.lo
+  if _on_device(stack):
+    taken = jax.device_get(_take_rows(stack, jax.device_put(rows, _device(stack))))
+    held = jax.tree_util.tree_map(lambda a: a[mine], taken)
+  else:
+    held = jax.tree_util.tree_map(lambda a: a[rows[mine]], stack)
+  return exchange(held, owners(ids, local.num_clients, local.process_count), local.process_count)
 
 
 def store_states(stack: Any, new: Any, local: LocalClients, ids: np.ndarray,
-                 valid: np.ndarray) -> None:
-  """Writes the held participants' new states (leaves [m, ...]) into `stack` in place."""
-  ids = np.asarray(ids)
-  put = np.asarray(valid) & (ids >= local.lo) & (ids < local.hi)
+                 valid: np.ndarray, donate: bool = True) -> Any:
+  """The held stack with the held, valid participants' new states (leaves [m, ...]) written in:
+  numpy in place; on a device by one scatter that donates the stack unless not `donate`."""
+  rows = block_rows(local, ids, valid)
+  if _on_device(stack):
+    device = _device(stack)
+    # One process: `new` may be sharded over its devices (strategy 'shard'), gathered here;
+    # several: the round's outputs are replicated (strategies.jit_replicated), a local copy read.
+    new = jax.tree_util.tree_map(
+        lambda b: jax.device_put(b if b.is_fully_addressable else b.addressable_shards[0].data,
+                                 device), new)
+    return _PUT_ROWS[donate](stack, jax.device_put(rows, device), new)
+  put = rows < local.hi - local.lo
+  new = jax.device_get(new)
 
   def write(a, b):
-    a[ids[put] - local.lo] = b[put]
+    a[rows[put]] = b[put]
   jax.tree_util.tree_map(write, stack, new)
+  return stack
 
 
-def check_processes(num_clients: int, process_count: int, client_state: str) -> None:
+def _on_device(stack: Any) -> bool:
+  leaves = jax.tree_util.tree_leaves(stack)
+  return bool(leaves) and isinstance(leaves[0], jax.Array)
+
+
+def _device(stack: Any) -> jax.Device:
+  (device,) = jax.tree_util.tree_leaves(stack)[0].devices()
+  return device
+
+
+def check_processes(num_clients: int, process_count: int, stateful: bool) -> None:
   """Raises before compute when `process_count` processes cannot divide the clients: each must
-  hold one client at least, and with client_state 'host' the same number (a checkpoint stores the
-  held rows as one array cut evenly over the processes, `to_global`)."""
+  hold one at least, and when the clients keep a state the same number (a checkpoint stores the
+  held states as one array cut evenly over the processes, `to_global`)."""
   owned_range(num_clients, 0, process_count)
-  if client_state == 'host' and num_clients % process_count:
-    raise ValueError(f"num_clients = {num_clients} is invalid for placement 'divided' with "
-                     f"client_state 'host' on {process_count} processes: must be a multiple of "
-                     'the process count (each process checkpoints an equal block of clients)')
+  if stateful and num_clients % process_count:
+    raise ValueError(f"num_clients = {num_clients} is invalid for placement 'divided' on "
+                     f'{process_count} processes with a client state: must be a multiple of the '
+                     'process count (each process holds and checkpoints an equal block of '
+                     'clients)')
 
 
 def _process_sharding() -> jax.sharding.NamedSharding:

@@ -75,17 +75,19 @@ def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: 
 
   client_state='host' returns the client stacks as numpy arrays (computed on the CPU backend, so
   the accelerator never holds all C clients; same threefry draws, so the same numbers on CPU).
-  With `held` = (lo, hi) (placement 'divided', core/placement.py) only clients lo .. hi - 1 are
-  returned, sliced inside one jitted init so that an init that broadcasts one client's state never
-  builds the other rows. init_fn(key) -> (clients, server) replaces `algo.init(key, num_clients)`
-  on the device path: `compiled_init` gives the same numbers as one program.
+  With `held` = (lo, hi) (placement 'divided' and `holds_block`, core/placement.py) only clients
+  lo .. hi - 1 are returned, sliced inside one jitted init so that an init that broadcasts one
+  client's state never builds the other rows; with client_state='device' they stay on the default
+  device (this process's first). init_fn(key) -> (clients, server) replaces
+  `algo.init(key, num_clients)` on the device path: `compiled_init` gives the same numbers as one
+  program.
   """
   if client_state not in CLIENT_STATES:
     raise ValueError(f'client_state = {client_state!r} is invalid: must be one of {CLIENT_STATES}')
-  if held is not None and client_state != 'host':
-    raise ValueError(f"held = {held} needs client_state = 'host' (device-resident client state is "
-                     'one stack of all clients)')
-  if client_state == 'host':
+  if held is not None and client_state == 'device':
+    lo, hi = held
+    clients, server = jax.jit(lambda k: _held_rows(algo.init(k, num_clients), lo, hi))(key)
+  elif client_state == 'host':
     with jax.default_device(jax.local_devices(backend='cpu')[0]):
       if held is None:
         clients, server = algo.init(key, num_clients)
@@ -417,7 +419,8 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   as 'device') run on them, and their new states written back into the host arrays in place (the
   host counterpart of donation). The device then holds m participants' states, never C.
   With cfg.placement = 'divided' the step takes this process's `placement.LocalClients` in place of
-  `fed_data` (and, with 'host', `state.clients` holds its clients only): a host-side wrapper
+  `fed_data` (and, single-cohort (`holds_block`), `state.clients` holds its clients only, on the
+  host or the device as `client_state` says): a host-side wrapper
   gathers the round's participants' rows and states from the processes that hold them and runs
   the same traced round on them (core/placement.py).
 
@@ -462,13 +465,13 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
                                          key=key)
     return server, new_sel, dict(metrics, **fault_metrics(cfg, slots, screened))
 
+  if holds_block(algo, cfg.placement):
+    return _divided_held_round_step(strategies.jit_replicated(participants),
+                                    strategies.jit_replicated(trained), donate)
   if cfg.client_state == 'host':
     if algo.prepare is not None and algo.prepare.reads_clients:
       raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads every client's state on the device; use 'device'")
-    if cfg.placement == 'divided':
-      return _divided_host_round_step(strategies.jit_replicated(participants),
-                                      strategies.jit_replicated(trained))
     return _host_round_step(algo, strategies.jit_replicated(participants),
                             strategies.jit_replicated(trained))
 
@@ -491,20 +494,32 @@ def _round_data(local_clients: placement.LocalClients, ids: np.ndarray) -> FedDa
   return strategies.replicate(data) if strategies.multi_process() else data
 
 
+def holds_block(algo: Algorithm, placement_name: str) -> bool:
+  """Whether each process holds only its block of the client states (placement 'divided', a
+  single cohort: `init_state(held=)`, `_divided_held_round_step`), in host memory or on its
+  device. Cohorts keep the device-resident stack of every client on every process (the data
+  still divides)."""
+  return placement_name == 'divided' and not algo.cohorts
+
+
 def _divided_round_step(participants: Callable, step: Callable) -> Callable:
-  """`round_step(state, local_clients, key)` of placement 'divided' with device-resident client
-  state: the participants' rows gathered from their owners, then the 'replicated' program."""
+  """`round_step(state, local_clients, key)` of placement 'divided' for cohorts (device-resident
+  client state of every client): the participants' rows gathered from their owners, then the
+  'replicated' program."""
   def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
     ids = np.asarray(jax.device_get(participants(key)[0]))
     return step(state, _round_data(local_clients, ids), key)
   return round_step
 
 
-def _divided_host_round_step(participants: Callable, trained: Callable) -> Callable:
-  """`round_step(state, local_clients, key)` of placement 'divided' with host-resident client
-  state: `state.clients` holds this process's clients only (leaves [hi - lo, ...]); the
-  participants' stored states and rows are gathered from their owners, the round run as with
-  'host', and each process writes back the new states of the clients it holds. Single cohort."""
+def _divided_held_round_step(participants: Callable, trained: Callable, donate: bool
+                             ) -> Callable:
+  """`round_step(state, local_clients, key)` of placement 'divided' with `holds_block`:
+  `state.clients` holds this process's clients only (leaves [hi - lo, ...], host numpy or on this
+  process's first device); the participants' stored states and rows are gathered from their
+  owners (one all-gather through the host, as 'host' moves them), the round run as with 'host',
+  and each process writes back the new states of the clients it holds (on a device, donating the
+  block when `donate`). Single cohort."""
   def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
     ids, slots = jax.device_get(participants(key))
     ids, (sl,) = np.asarray(ids), slots
@@ -512,9 +527,9 @@ def _divided_host_round_step(participants: Callable, trained: Callable) -> Calla
     sel = strategies.replicate((sel,)) if strategies.multi_process() else jax.device_put((sel,))
     server, new_sel, metrics = trained(state.replace(clients=None), sel,
                                        _round_data(local_clients, ids), key)
-    placement.store_states(state.clients, jax.device_get(new_sel)[0], local_clients, sl.ids,
-                           sl.valid)
-    return FedState(clients=state.clients, server=server, round=state.round + 1), metrics
+    clients = placement.store_states(state.clients, new_sel[0], local_clients, sl.ids, sl.valid,
+                                     donate)
+    return FedState(clients=clients, server=server, round=state.round + 1), metrics
   round_step.device_program = trained
   return round_step
 

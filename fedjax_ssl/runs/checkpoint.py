@@ -229,6 +229,12 @@ class Checkpointer:
     rounds = self.all_rounds()
     return rounds[-1] if rounds else None
 
+  def due(self, round_idx: int, force: bool = False) -> bool:
+    """Whether `maybe_save(round_idx, ..., force)` would write: a caller whose state must be
+    brought into its saved form first (a copy) asks before building it."""
+    return ((force or (self.save_every > 0 and round_idx % self.save_every == 0))
+            and round_idx not in self._manager.all_steps())
+
   def maybe_save(self, round_idx: int, state: Any, metadata: dict | None = None,
                  force: bool = False) -> bool:
     """Saves ``state`` (and ``metadata``) as round ``round_idx`` when it is due.
@@ -261,8 +267,7 @@ class Checkpointer:
       json.dumps(metadata)  # Fail before any file is created.
     except (TypeError, ValueError) as e:
       raise ValueError(f'metadata is not JSON-serialisable: {e}') from e
-    due = force or (self.save_every > 0 and round_idx % self.save_every == 0)
-    if not due or round_idx in self._manager.all_steps():
+    if not self.due(round_idx, force):
       return False
     # force=True: the due-decision is ours, not orbax's save_interval_steps.
     return self._manager.save(

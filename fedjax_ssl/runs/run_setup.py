@@ -42,7 +42,7 @@ class InitialState:
     if self._init_fn is None and config.client_state == 'device':
       self._init_fn = rd.compiled_init(algo, config.num_clients)
     held = None
-    if config.placement == 'divided' and config.client_state == 'host':
+    if rd.holds_block(algo, config.placement):
       held = placement.owned_range(config.num_clients, jax.process_index(), jax.process_count())
     try:
       state = rd.init_state(algo, self._key, config.num_clients,
@@ -56,9 +56,10 @@ class InitialState:
       self._init_fn = False
       state = rd.init_state(algo, self._key, config.num_clients, client_state=config.client_state,
                             held=held)
+    # A held block differs per process: it stays this process's own (numpy, or its device).
     return state.replace(server=strategies.replicate(state.server),
                          round=strategies.replicate(state.round),
-                         clients=(state.clients if config.client_state == 'host' else
+                         clients=(state.clients if config.client_state == 'host' or held else
                                   strategies.replicate(state.clients)))
 
 
@@ -105,27 +106,31 @@ def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialSt
   when the process count cannot divide them, or the algorithm reads other clients before a round
   or (with host-resident state) evaluates every client's model."""
   try:
-    placement.check_processes(config.num_clients, jax.process_count(), config.client_state)
-  except ValueError as e:
-    raise cv.ConfigError(f'{e} (--num_processes)') from None
-  try:
     rd.validate(experiment.round_config(config), config.num_clients, algo)
   except ValueError as e:
     raise cv.ConfigError(f'config.{e}') from None
-  # This process's block of the initial state (small) tells whether evaluation reads every client.
-  if _held(config) and algo.eval_variables(initial_state())[1]:
-    raise cv.ConfigError(f"config.placement = 'divided' with config.client_state = 'host' is "
-                         f"invalid for algorithm {config.algorithm!r}: its evaluation reads every "
-                         "client's model; use 'replicated' or client_state = 'device'")
+  # This process's block of the initial state (1/P of it) tells whether the clients keep a state
+  # and whether evaluation reads every client.
+  state = initial_state()
+  try:
+    placement.check_processes(config.num_clients, jax.process_count(),
+                              stateful=bool(jax.tree_util.tree_leaves(state.clients)))
+  except ValueError as e:
+    raise cv.ConfigError(f'{e} (--num_processes)') from None
+  if rd.holds_block(algo, config.placement) and algo.eval_variables(state)[1]:
+    raise cv.ConfigError(f"config.placement = 'divided' is invalid for algorithm "
+                         f"{config.algorithm!r}: its evaluation reads every client's model, and "
+                         "each process holds only its own clients'; use 'replicated'")
+  del state
   return placement.divide(fed_data, jax.process_index(), jax.process_count())
 
 
 def checkpoint_form(run: Run, state: FedState, round_idx: int) -> FedState:
-  """The state as the checkpoint of `round_idx` stores it: under placement 'divided' with
-  host-resident client state, the held rows as one array of all clients cut over the processes
+  """The state as the checkpoint of `round_idx` stores it: under placement 'divided' with a client
+  state (`_held`), the held rows as one array of all clients cut over the processes
   (each process writes its block), beside `round_idx` in every client's row (`stale_block`
   compares it on restore); otherwise the state itself."""
-  if not _held(run.config):
+  if not _held(run, state.clients):
     return state
   rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
   held = {_STATES: state.clients, _BLOCK_ROUND: np.full([rows], round_idx, np.int32)}
@@ -134,7 +139,7 @@ def checkpoint_form(run: Run, state: FedState, round_idx: int) -> FedState:
 
 def checkpoint_template(run: Run, state: FedState) -> FedState:
   """The template `checkpoint_form(state)` is restored into (cut for this run's processes)."""
-  if not _held(run.config):
+  if not _held(run, state.clients):
     return state
   rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
   held = {_STATES: state.clients, _BLOCK_ROUND: np.zeros([rows], np.int32)}
@@ -146,7 +151,7 @@ def stale_block(run: Run, round_idx: int, restored: FedState) -> str | None:
   'divided' each process writes its own block of the client states; a block that another
   checkpoint wrote (a process's files copied or synced from elsewhere) has the same shapes and
   reads back without error, so each client's row carries the round its block was saved at."""
-  if not _held(run.config):
+  if not _held(run, restored.clients):
     return None
   saved = placement.to_held(restored.clients[_BLOCK_ROUND])
   wrong = np.flatnonzero(saved != round_idx)
@@ -161,8 +166,10 @@ def from_checkpoint(run: Run, state: FedState) -> FedState:
   """The inverse of `checkpoint_form` on a restored state, placed as a fresh run's state is. With
   one process the arrays are made uncommitted: orbax commits them to one device, which a 'shard'
   round over several devices refuses to mix with its mesh."""
-  if _held(run.config):
+  if _held(run, state.clients):
     state = state.replace(clients=placement.to_held(state.clients[_STATES]))
+    if run.config.client_state == 'device':  # back on this process's first device, as init puts it
+      state = state.replace(clients=jax.tree_util.tree_map(jnp.asarray, state.clients))
   if strategies.multi_process():
     return state
   return state.replace(server=_uncommitted(state.server), round=_uncommitted(state.round),
@@ -185,8 +192,11 @@ def _uncommitted(tree):
 _STATES, _BLOCK_ROUND = 'states', 'block_round'
 
 
-def _held(config) -> bool:
-  return config.placement == 'divided' and config.client_state == 'host'
+def _held(run: Run, clients) -> bool:
+  """Whether `clients` (a state's, or a restored checkpoint's) is this process's block of the
+  client states (`rd.holds_block`), not empty."""
+  return (rd.holds_block(run.algo, run.config.placement)
+          and bool(jax.tree_util.tree_leaves(clients)))
 
 
 def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,

@@ -265,10 +265,11 @@ def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSign
     # After the last round a signal lets the run finish: its evaluation is done, only the results
     # are left to write.
     signum = stop.agreed() if r + 1 < config.rounds else 0
-    with files.writing(run.rundir.checkpoints / str(r + 1)):
-      ckpt.maybe_save(r + 1, run_setup.checkpoint_form(run, state, r + 1),
-                      metadata={'config': config.to_dict()},
-                      force=r + 1 == config.rounds or bool(signum))
+    force = r + 1 == config.rounds or bool(signum)
+    if ckpt.due(r + 1, force):  # the saved form of a divided state is a copy: only when due
+      with files.writing(run.rundir.checkpoints / str(r + 1)):
+        ckpt.maybe_save(r + 1, run_setup.checkpoint_form(run, state, r + 1),
+                        metadata={'config': config.to_dict()}, force=force)
     if signum:
       bar.close()
       _stopped(signum, f'after round {r + 1}/{config.rounds}; checkpoint '

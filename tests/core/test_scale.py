@@ -206,11 +206,28 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
   assert _records(tmp_path / 'two') == got
 
 
+def test_device_resident_state_divided_equals_host_resident_and_resumes(tmp_path):
+  """placement 'divided' with client_state 'device': the held block on the device (one gather and
+  one donated scatter a round) runs the host path's program, so the metrics equal host-resident
+  state's bit for bit; its checkpoint (the block stamped with its round) resumes exactly."""
+  from fedjax_ssl.runs import training as train
+  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'host'), verbose=False)
+  device = _config(placement='divided', client_state='device')
+  train.train_and_evaluate(device, str(tmp_path / 'device'), verbose=False)
+  got = _records(tmp_path / 'device')
+  assert got == _records(tmp_path / 'host') and [r['round'] for r in got] == [0, 1, 2]
+  shutil.rmtree(tmp_path / 'device' / 'checkpoints' / '2')
+  train.train_and_evaluate(device, str(tmp_path / 'device'), verbose=False)
+  assert _records(tmp_path / 'device') == got
+
+
 @pytest.mark.slow
 def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resume_on_one(
     tmp_path, capfd):
-  """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (rows and host state),
-  process 1 clients 2-3, one device each; each saves its block of the checkpoint. The metrics equal
+  """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (their rows, and their
+  states on its device: host-resident state runs the same program, bit for bit,
+  `test_device_resident_state_divided_equals_host_resident_and_resumes`), process 1 clients 2-3,
+  one device each; each saves its block of the checkpoint. The metrics equal
   a one-process run's to the float rounding of the cross-device sums (2 devices against the
   session's 4: the server average adds its terms in another order, ~1e-7 relative). Then one
   process resumes the two processes' checkpoints, cut for it: round 2's with process 1's block
@@ -220,7 +237,8 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   from fedjax_ssl.runs import training as train
   train.train_and_evaluate(_config(), str(tmp_path / 'one'), verbose=False)
   want = _records(tmp_path / 'one')
-  _two_processes(tmp_path / 'two', extra=['--config.placement=divided'], devices_per_process=1)
+  divided = ['--config.placement=divided', '--config.client_state=device']
+  _two_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
   _assert_records_close(got, want)
@@ -229,7 +247,8 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   shutil.rmtree(ckpts / '2' / block)
   shutil.copytree(ckpts / '1' / block, ckpts / '2' / block)
   capfd.readouterr()
-  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
+  train.train_and_evaluate(_config(placement='divided', client_state='device'),
+                           str(tmp_path / 'two'), verbose=False)
   err = capfd.readouterr().err
   assert f'warning: checkpoint of round 2 in {ckpts} is unreadable (' in err, err[-3000:]
   assert f'moved to {ckpts / "corrupt" / "2"}; trying the previous checkpoint' in err
@@ -240,7 +259,8 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
 
   shutil.rmtree(ckpts / '2')
   shutil.copytree(ckpts / '1', ckpts / '2')
-  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'two'), verbose=False)
+  train.train_and_evaluate(_config(placement='divided', client_state='device'),
+                           str(tmp_path / 'two'), verbose=False)
   err = capfd.readouterr().err
   assert ('warning: checkpoint of round 2 holds a block of another checkpoint: clients 0-3 were '
           f'saved at round 1; moved to {ckpts / "corrupt" / "2.1"}') in err, err[-3000:]

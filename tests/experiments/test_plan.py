@@ -106,10 +106,13 @@ def test_hosts_and_devices_divide_the_participants_and_divided_placement_the_dat
   assert p['bytes_per_device'] == one['total_bytes'] == p['total_bytes']
   assert p['input_bytes'] == one['input_bytes']  # the 6 stored states and the data, whole
   assert p['bytes_per_host'] == TINY_DATA_BYTES   # GPU target, device-resident states
-  # placement 'divided': every device gets the 4 participants' padded rows in place of the data;
-  # each host holds half the data and those rows.
+  # placement 'divided': every device gets the 4 participants' padded rows in place of the data,
+  # and the 4 participants' stored states in place of the 6; a host's first device holds its 3
+  # clients' states too. Each host holds half the data and those rows.
+  s = one['stored_client_bytes']
   assert p['round_data_bytes_divided'] == TINY_ROUND_BYTES
-  assert p['bytes_per_device_divided'] == one['total_bytes'] - TINY_DATA_BYTES + TINY_ROUND_BYTES
+  assert p['bytes_per_device_divided'] == (one['total_bytes'] - TINY_DATA_BYTES + TINY_ROUND_BYTES
+                                           + (3 + 4 - 6) * s)
   assert p['bytes_per_host_divided'] == _ceil_div(TINY_DATA_BYTES, 2) + TINY_ROUND_BYTES
   # FLOPs are the whole round's: 4 participants of 4 steps.
   assert p['steps_per_round'] == 4 * (192 // 6 // 8)

@@ -78,18 +78,20 @@ def test_a_measured_run_records_each_convolutions_choice(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize('overrides,message', [
-    (dict(algorithm='independent', ssl_method='simclr'),
-     "config.placement = 'divided' with config.client_state = 'host' is invalid for algorithm "
-     "'independent': its evaluation reads every client's model; use 'replicated' or client_state "
-     "= 'device'"),
-    (dict(algorithm='fedsc', ssl_method='sc'),
+    (dict(algorithm='independent', ssl_method='simclr', client_state='host'),
+     "config.placement = 'divided' is invalid for algorithm 'independent': its evaluation reads "
+     "every client's model, and each process holds only its own clients'; use 'replicated'"),
+    (dict(algorithm='independent', ssl_method='simclr', client_state='device'),
+     "config.placement = 'divided' is invalid for algorithm 'independent': its evaluation reads "
+     "every client's model"),
+    (dict(algorithm='fedsc', ssl_method='sc', client_state='host'),
      "config.placement = 'divided' is invalid for algorithm 'fedsc': its `prepare` reads clients "
      "other than the round's participants; use 'replicated'"),
 ])
 def test_divided_placement_refuses_what_reads_every_client_before_training(tmp_path, overrides,
                                                                             message):
   from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
-  config = tiny_config(placement='divided', client_state='host', **overrides)
+  config = tiny_config(placement='divided', **overrides)
   with pytest.raises(ConfigError, match=re.escape(message)):
     train.train_and_evaluate(config, str(tmp_path / 'w'), verbose=False)
   assert not (tmp_path / 'w' / 'metrics.jsonl').exists()
