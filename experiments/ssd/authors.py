@@ -31,6 +31,7 @@ train: imports the authors' modules from --authors_code (their tree is never cop
 evaluate: `evaluation.protocol_metrics` (the logistic probe and kNN at the label fractions, the code
   path of every quick run's results.json) on both encoders' features; with --ours, the run's own
   results.json 'final' metrics beside them.
+table: the evaluate outputs as one markdown table (docs/results/ssd/authors/table.md).
 Only this module's `train` needs torch; the module imports without it.
 """
 from __future__ import annotations
@@ -358,6 +359,31 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
               losses_json=np.str_(json.dumps(losses)), settings_json=np.str_(json.dumps(settings_out)))
 
 
+TABLE_METRICS = ('probe_acc', 'probe_acc_10pct', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct')
+
+
+def table(results: Sequence[Dict[str, Any]]) -> str:
+  """A markdown table of `evaluate` outputs: per result the authors' trainer and, when the result
+  carries 'ours', our run of the same method and seed (once), each with its random-init probe and
+  kNN; accuracies in %."""
+  head = ('| method | trainer | seed | weight decay | ' + ' | '.join(TABLE_METRICS)
+          + ' | random-init probe_acc | random-init knn_acc |')
+  lines = [head, '|' + '---|' * (head.count('|') - 1)]
+  pct = lambda d, m: f'{100 * d[m]:.2f}' if m in d else 'n/a'
+  seen = set()
+  for res in results:
+    st = res['settings']
+    rows = [('authors (torch)', st['weight_decay'], res['trained'], res['random_init'])]
+    if 'ours' in res and (st['method'], st['seed']) not in seen:
+      seen.add((st['method'], st['seed']))
+      rows.append(('ours (fedjax_ssl)', 0.0, res['ours']['final'], res['ours']['random_init']))
+    for trainer, wd, final, init in rows:
+      lines.append(f'| {st["method"]} | {trainer} | {st["seed"]} | {wd:g} | '
+                   + ' | '.join(pct(final, m) for m in TABLE_METRICS)
+                   + f' | {pct(init, "probe_acc")} | {pct(init, "knn_acc")} |')
+  return '\n'.join(lines) + '\n'
+
+
 # ----------------------------------------------------------------------------------------------
 def parse(argv: Sequence[str]) -> argparse.Namespace:
   """The three subcommands' flags (argparse: `train` runs where absl is not installed)."""
@@ -385,6 +411,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   ev.add_argument('--features', required=True, type=pathlib.Path)
   ev.add_argument('--out', required=True, type=pathlib.Path)
   ev.add_argument('--ours', type=pathlib.Path, default=None, help="our run's results.json")
+  ta = sub.add_parser('table', help='a markdown table of evaluate outputs')
+  ta.add_argument('results', nargs='+', type=pathlib.Path)
   return p.parse_args(argv)
 
 
@@ -404,6 +432,8 @@ def main(argv: Sequence[str]) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **out)
     print(out['settings_json'])
+  elif args.command == 'table':
+    print(table([json.loads(p.read_text()) for p in args.results]), end='')
   else:
     res = evaluate(args.data, args.features, args.ours)
     args.out.parent.mkdir(parents=True, exist_ok=True)
