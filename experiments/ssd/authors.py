@@ -385,8 +385,8 @@ def table(results: Sequence[Dict[str, Any]]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-  """The three subcommands' flags (argparse: `train` runs where absl is not installed)."""
+def parser() -> argparse.ArgumentParser:
+  """The subcommands' flags (argparse: `train` runs where absl is not installed)."""
   p = argparse.ArgumentParser(prog='python -m experiments.ssd.authors', description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest='command', required=True)
@@ -413,11 +413,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   ev.add_argument('--ours', type=pathlib.Path, default=None, help="our run's results.json")
   ta = sub.add_parser('table', help='a markdown table of evaluate outputs')
   ta.add_argument('results', nargs='+', type=pathlib.Path)
-  return p.parse_args(argv)
+  return p
+
+
+def full_help(p: argparse.ArgumentParser) -> str:
+  """Every subcommand's help, for `--helpfull` (absl's name, which the docs test reads)."""
+  subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  return p.format_help() + ''.join(sp.format_help() for sp in subs.choices.values())
 
 
 def main(argv: Sequence[str]) -> int:
-  args = parse(argv)
+  if list(argv) == ['--helpfull']:
+    print(full_help(parser()))
+    return 0
+  args = parser().parse_args(argv)
   if args.command == 'prepare':
     arrays = prepare_arrays(quick_config(args.seed))
     args.out.parent.mkdir(parents=True, exist_ok=True)
