@@ -2,7 +2,8 @@ r"""SSD / FedAlignUniform trained by the AUTHORS' PyTorch code (github:hc-fang/s
 
 Three steps, two Python environments (issue 68 item 4; docs/notes/ssd.md#ssd-e4):
 
-  # 1. the project's venv: our partition of the quick scale's data (configs/ssd/common.quick_base)
+  # 1. the project's venv: our partition of the quick scale's data (configs/ssd/common.quick_base;
+  #    --num_clients 50 the cross-device column, 10 a round)
   python -m experiments.ssd.authors prepare --out /tmp/authors/data.npz --seed 0
   # 2. a torch environment (not the project's): THEIR client / server classes train
   /work/torchenv/bin/python -m experiments.ssd.authors train --data /tmp/authors/data.npz \
@@ -22,7 +23,7 @@ train: imports the authors' modules from --authors_code (their tree is never cop
   `methods/loss.py`), their random Q and blocks (`subspace_mode='fixed'`), their aggregation
   (`model_average` weighted by each client's batch count, BatchNorm buffers averaged). The adapter
   sets what SSD-E3 lists: the projector width (`server.dim`, hard-coded 512 there) to 84, the block
-  size to --subspace_weight_dim (8 = floor(84 / 10)), each round's client lr to the cosine value
+  size to --subspace_weight_dim (default floor(84 / K): 8 at K = 10, 1 at 50), each round's client lr to the cosine value
   their server computes and their client ignores, autocast off; their per-round feature extraction
   and kNN are replaced by no-ops (the features are extracted once, after the last round). The views
   are ours re-implemented in torch (`torch_views`), since torchvision is not installed. Writes the
@@ -50,7 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 PREPARED_KEYS = ('train_x', 'train_y', 'test_x', 'test_y', 'mean', 'std', 'num_classes', 'seed',
-                 'alpha', 'client_offsets', 'client_indices', 'dataset')
+                 'alpha', 'clients_per_round', 'client_offsets', 'client_indices', 'dataset')
 FEATURE_KEYS = ('trained_train', 'trained_test', 'random_train', 'random_test', 'losses_json',
                 'settings_json')
 METHODS = ('ssd', 'fedalignuniform')
@@ -65,12 +66,17 @@ METHOD_SETTINGS = {
 
 # ----------------------------------------------------------------------------------------------
 # prepare (project venv)
-def quick_config(seed: int):
-  """The quick scale's cross-silo config (configs/ssd/common.quick_base: 10 clients, Dirichlet 0.1,
-  first 10,000 images) at `seed`: the partition and the probe's seeds of our run of that seed."""
-  from configs.ssd import common  # pylint: disable=g-import-not-at-top
+def quick_config(seed: int, num_clients: int = 10):
+  """The quick scale's config (configs/ssd/common.quick_base: Dirichlet 0.1, first 10,000 images)
+  at `seed`, in table1's column of `num_clients` (10: cross-silo, all every round; 50:
+  cross-device, 10 a round): the partition and the probe's seeds of our run of that cell."""
+  from configs.ssd import common, table1  # pylint: disable=g-import-not-at-top
+  columns = {c['num_clients']: c for c in table1.COLUMNS_SMALL.values()}
+  if num_clients not in columns:
+    raise ValueError(f'num_clients = {num_clients} is invalid: the quick table has the columns '
+                     f'{sorted(columns)}')
   config = common.quick_base()
-  config.seed = seed
+  config.update(dict(columns[num_clients], seed=seed))
   return config
 
 
@@ -88,7 +94,8 @@ def prepare_arrays(config) -> Dict[str, np.ndarray]:
               test_x=dataset.test_x, test_y=np.asarray(dataset.test_y, np.int32),
               mean=np.asarray(dataset.mean, np.float64), std=np.asarray(dataset.std, np.float64),
               num_classes=np.int64(dataset.num_classes), seed=np.int64(config.seed),
-              alpha=np.float64(config.alpha), client_offsets=offsets,
+              alpha=np.float64(config.alpha),
+              clients_per_round=np.int64(config.clients_per_round), client_offsets=offsets,
               client_indices=np.concatenate(indices), dataset=np.str_(dataset.name))
 
 
@@ -130,7 +137,7 @@ def evaluate(data: pathlib.Path, features: pathlib.Path,
   (a run's results.json), that run's 'final' and 'random_init' metrics under 'ours'."""
   prepared = dict(np.load(data))
   feats = np.load(features)
-  config = quick_config(int(prepared['seed']))
+  config = quick_config(int(prepared['seed']), len(prepared['client_offsets']) - 1)
   dataset = dataset_of(prepared)
   out: Dict[str, Any] = {
       'settings': json.loads(str(feats['settings_json'])),
@@ -269,10 +276,16 @@ def encoder_features(encoder, images, mean, std, batch_size: int = 1000) -> np.n
 
 def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: int, seed: int,
           lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 1e-4,
-          batch_size: int = 128, local_epochs: int = 1, subspace_weight_dim: int = 8,
-          subspace_weight: float = 10.0, drop_last: bool = True, threads: int = 1
+          batch_size: int = 128, local_epochs: int = 1, subspace_weight_dim: Optional[int] = None,
+          subspace_weight: float = 10.0, drop_last: Optional[bool] = None, threads: int = 1
           ) -> Dict[str, np.ndarray]:
-  """`FEATURE_KEYS` of `method` trained by the authors' classes on the prepared partition."""
+  """`FEATURE_KEYS` of `method` trained by the authors' classes on the prepared partition.
+
+  subspace_weight_dim None: floor(84 / K) for K clients (their script's n_dimensions // n_clients).
+  drop_last None: their loader's rule, drop the last partial batch at K <= 10 and keep it above.
+  The round's participants: their `select_clients` (all at K = clients_per_round, otherwise
+  `random.sample` of clients_per_round), the i-th of them given their i-th subspace.
+  """
   if method not in METHODS:
     raise ValueError(f'method = {method!r} is invalid: must be one of {METHODS}')
   authors_code = pathlib.Path(authors_code)
@@ -287,6 +300,11 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
   from methods.fedalignuniform import FedAlignUniformClient, FedAlignUniformServer  # pylint: disable=g-import-not-at-top
 
   prepared = dict(np.load(data))
+  num_clients = len(prepared['client_offsets']) - 1
+  if subspace_weight_dim is None:
+    subspace_weight_dim = 84 // num_clients
+  if drop_last is None:
+    drop_last = num_clients <= 10
   set_seed(seed)    # their main.py's set_seed (random, numpy, torch), at our run's seed
   to_images = lambda a: torch.from_numpy(a).permute(0, 3, 1, 2).float() / 255.0
   train_x, test_x = to_images(prepared['train_x']), to_images(prepared['test_x'])
@@ -336,7 +354,9 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
       for c, idx in enumerate(client_index_lists(prepared))]
   server = Server(clients=clients, encoder=copy.deepcopy(encoder),
                   projector=copy.deepcopy(projector), test_set=None,
-                  global_rounds=rounds, join_ratio=1.0, device=torch.device('cpu'),
+                  global_rounds=rounds,
+                  join_ratio=float(prepared['clients_per_round']) / num_clients,
+                  device=torch.device('cpu'),
                   checkpoint_dir=None, subspace_weight_dim=subspace_weight_dim,
                   subspace_weight_range=[subspace_weight, subspace_weight],
                   subspace_mode=settings['subspace_mode'])
@@ -393,6 +413,7 @@ def parser() -> argparse.ArgumentParser:
   pr = sub.add_parser('prepare', help='our partition and data, as .npz (project venv)')
   pr.add_argument('--out', required=True, type=pathlib.Path)
   pr.add_argument('--seed', type=int, default=0)
+  pr.add_argument('--num_clients', type=int, default=10, help='10 (silo) or 50 (device)')
   tr = sub.add_parser('train', help="the authors' classes train; features as .npz (torch)")
   tr.add_argument('--data', required=True, type=pathlib.Path)
   tr.add_argument('--authors_code', required=True, type=pathlib.Path)
@@ -402,9 +423,10 @@ def parser() -> argparse.ArgumentParser:
   tr.add_argument('--seed', type=int, default=None, help="default: the prepared run's seed")
   tr.add_argument('--lr', type=float, default=0.1)
   tr.add_argument('--weight_decay', type=float, default=1e-4, help="their 1e-4; ours is 0")
-  tr.add_argument('--subspace_weight_dim', type=int, default=8)
-  tr.add_argument('--keep_last', action='store_true',
-                  help='keep the last partial batch (their loader above 10 clients)')
+  tr.add_argument('--subspace_weight_dim', type=int, default=None,
+                  help='dimensions per client (default floor(84 / clients))')
+  tr.add_argument('--keep_last', action='store_true', default=None,
+                  help='keep the last partial batch (default: their rule, kept above 10 clients)')
   tr.add_argument('--threads', type=int, default=1)
   ev = sub.add_parser('evaluate', help='our protocol on the features (project venv)')
   ev.add_argument('--data', required=True, type=pathlib.Path)
@@ -428,7 +450,7 @@ def main(argv: Sequence[str]) -> int:
     return 0
   args = parser().parse_args(argv)
   if args.command == 'prepare':
-    arrays = prepare_arrays(quick_config(args.seed))
+    arrays = prepare_arrays(quick_config(args.seed, args.num_clients))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **arrays)
     sizes = np.diff(arrays['client_offsets']).tolist()
@@ -437,7 +459,7 @@ def main(argv: Sequence[str]) -> int:
     seed = args.seed if args.seed is not None else int(np.load(args.data)['seed'])
     out = train(args.data, args.authors_code, args.method, args.rounds, seed, lr=args.lr,
                 weight_decay=args.weight_decay, subspace_weight_dim=args.subspace_weight_dim,
-                drop_last=not args.keep_last, threads=args.threads)
+                drop_last=None if args.keep_last is None else False, threads=args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **out)
     print(out['settings_json'])

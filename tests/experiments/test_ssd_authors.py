@@ -91,7 +91,8 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
       {'final': {'probe_acc': 0.8, 'probe_acc_clients': [0.1]}, 'random_init': {'knn_acc': 0.5}}))
   # evaluate rebuilds the quick config from the prepared seed; the synthetic set needs its fractions.
   made = _synthetic_config()
-  monkeypatch.setattr(authors, 'quick_config', lambda seed: made if seed == 3 else None)
+  monkeypatch.setattr(authors, 'quick_config',
+                      lambda seed, num_clients: made if (seed, num_clients) == (3, 4) else None)
   res = authors.evaluate(tmp_path / 'data.npz', tmp_path / 'f.npz', tmp_path / 'results.json')
   m = len(arrays['test_y'])
   assert res['trained']['knn_acc'] == pytest.approx(1 - (arrays['test_y'] == 1).sum() / m)
@@ -107,6 +108,15 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
   assert lines[2].startswith(f'| ssd | authors (torch) | 3 | 0.0001 | ') and f'{knn:.2f}' in lines[2]
   assert lines[3] == ('| ssd | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | n/a | '
                       '50.00 |')
+
+
+def test_quick_config_is_a_column_of_the_quick_table():
+  silo, device = authors.quick_config(0), authors.quick_config(1, 50)
+  assert (silo.num_clients, silo.clients_per_round, silo.seed) == (10, 10, 0)
+  assert (device.num_clients, device.clients_per_round, device.seed) == (50, 10, 1)
+  assert (silo.train_size, silo.alpha, silo.proj_out, silo.encoder) == (10000, 0.1, 84, 'lenet5')
+  with pytest.raises(ValueError, match=r'num_clients = 20 is invalid: .* \[10, 50\]'):
+    authors.quick_config(0, 20)
 
 
 def test_train_refuses_a_tree_that_is_not_theirs(tmp_path):
