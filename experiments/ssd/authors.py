@@ -384,21 +384,22 @@ TABLE_METRICS = ('probe_acc', 'probe_acc_10pct', 'probe_acc_1pct', 'knn_acc', 'k
 
 def table(results: Sequence[Dict[str, Any]]) -> str:
   """A markdown table of `evaluate` outputs: per result the authors' trainer and, when the result
-  carries 'ours', our run of the same method and seed (once), each with its random-init probe and
+  carries 'ours', our run of the same method, clients and seed (once), each with its random-init probe and
   kNN; accuracies in %."""
-  head = ('| method | trainer | seed | weight decay | ' + ' | '.join(TABLE_METRICS)
+  head = ('| method | clients | trainer | seed | weight decay | ' + ' | '.join(TABLE_METRICS)
           + ' | random-init probe_acc | random-init knn_acc |')
   lines = [head, '|' + '---|' * (head.count('|') - 1)]
   pct = lambda d, m: f'{100 * d[m]:.2f}' if m in d else 'n/a'
   seen = set()
   for res in results:
     st = res['settings']
+    k = len(st['client_sizes'])
     rows = [('authors (torch)', st['weight_decay'], res['trained'], res['random_init'])]
-    if 'ours' in res and (st['method'], st['seed']) not in seen:
-      seen.add((st['method'], st['seed']))
+    if 'ours' in res and (st['method'], k, st['seed']) not in seen:
+      seen.add((st['method'], k, st['seed']))
       rows.append(('ours (fedjax_ssl)', 0.0, res['ours']['final'], res['ours']['random_init']))
     for trainer, wd, final, init in rows:
-      lines.append(f'| {st["method"]} | {trainer} | {st["seed"]} | {wd:g} | '
+      lines.append(f'| {st["method"]} | {k} | {trainer} | {st["seed"]} | {wd:g} | '
                    + ' | '.join(pct(final, m) for m in TABLE_METRICS)
                    + f' | {pct(init, "probe_acc")} | {pct(init, "knn_acc")} |')
   return '\n'.join(lines) + '\n'

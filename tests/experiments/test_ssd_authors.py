@@ -85,7 +85,7 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
                trained_test=_merged_pair_features(arrays['test_y'], k),
                random_train=rng.normal(size=(400, 8)).astype(np.float32),
                random_test=rng.normal(size=(len(arrays['test_y']), 8)).astype(np.float32),
-               losses_json=np.str_('[{"round": 0}]'), settings_json=np.str_('{"method": "ssd", "seed": 3, "weight_decay": 0.0001}'))
+               losses_json=np.str_('[{"round": 0}]'), settings_json=np.str_('{"method": "ssd", "seed": 3, "weight_decay": 0.0001, "client_sizes": [1, 2, 3, 4]}'))
   np.savez(tmp_path / 'f.npz', **feats)
   (tmp_path / 'results.json').write_text(json.dumps(
       {'final': {'probe_acc': 0.8, 'probe_acc_clients': [0.1]}, 'random_init': {'knn_acc': 0.5}}))
@@ -99,14 +99,14 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
   # Label-free Gaussian features: the probe is at chance within 5 binomial standard deviations.
   assert abs(res['random_init']['probe_acc'] - 0.1) < 5 * np.sqrt(0.1 * 0.9 / m)
   assert res['ours'] == {'final': {'probe_acc': 0.8}, 'random_init': {'knn_acc': 0.5}}
-  assert res['settings']['method'] == 'ssd' and res['losses'] == [{'round': 0}]
+  assert res['settings']['seed'] == 3 and res['losses'] == [{'round': 0}]
   lines = authors.table([res, res]).splitlines()
   # Header, rule, the authors' row twice, ours once (one per method and seed).
-  assert len(lines) == 5 and [l.split(' | ')[1] for l in lines[2:]] == [
+  assert len(lines) == 5 and [l.split(' | ')[2] for l in lines[2:]] == [
       'authors (torch)', 'ours (fedjax_ssl)', 'authors (torch)']
   knn = 100 * res['trained']['knn_acc']
-  assert lines[2].startswith(f'| ssd | authors (torch) | 3 | 0.0001 | ') and f'{knn:.2f}' in lines[2]
-  assert lines[3] == ('| ssd | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | n/a | '
+  assert lines[2].startswith(f'| ssd | 4 | authors (torch) | 3 | 0.0001 | ') and f'{knn:.2f}' in lines[2]
+  assert lines[3] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | n/a | '
                       '50.00 |')
 
 
