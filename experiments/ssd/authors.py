@@ -397,6 +397,7 @@ def table(results: Sequence[Dict[str, Any]]) -> str:
     rows = [('authors (torch)', st['weight_decay'], res['trained'], res['random_init'])]
     if 'ours' in res and (st['method'], k, st['seed']) not in seen:
       seen.add((st['method'], k, st['seed']))
+      # Our quick scale's weight decay (configs/fedu2/common.quick_base).
       rows.append(('ours (fedjax_ssl)', 0.0, res['ours']['final'], res['ours']['random_init']))
     for trainer, wd, final, init in rows:
       lines.append(f'| {st["method"]} | {k} | {trainer} | {st["seed"]} | {wd:g} | '
