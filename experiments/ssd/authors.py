@@ -23,11 +23,13 @@ train: imports the authors' modules from --authors_code (their tree is never cop
   `methods/loss.py`), their random Q and blocks (`subspace_mode='fixed'`), their aggregation
   (`model_average` weighted by each client's batch count, BatchNorm buffers averaged). The adapter
   sets what SSD-E3 lists: the projector width (`server.dim`, hard-coded 512 there) to 84, the block
-  size to --subspace_weight_dim (default floor(84 / K): 8 at K = 10, 1 at 50), each round's client lr to the cosine value
-  their server computes and their client ignores, autocast off; their per-round feature extraction
-  and kNN are replaced by no-ops (the features are extracted once, after the last round). The views
-  are ours re-implemented in torch (`torch_views`), since torchvision is not installed. Writes the
-  encoder's (Tanh 84-d) features of the un-augmented, normalised train and test images, trained and
+  size to --subspace_weight_dim (default floor(84 / K): 8 at K = 10, 1 at 50), each round's client
+  lr to the cosine value their server computes and their client ignores, autocast off, the loader's
+  last partial batch dropped at K <= 10 and kept above (their rule; --keep_last keeps it at any K);
+  the participants are their `select_clients`' (`random.sample` below all); their per-round feature
+  extraction and kNN are no-ops here (the features are extracted once, after the last round). The
+  views are ours re-implemented in torch (`torch_views`), since torchvision is not installed. Writes
+  the encoder's (Tanh 84-d) features of the un-augmented, normalised train and test images, trained and
   at initialisation, and the per-round losses (`FEATURE_KEYS`).
 evaluate: `evaluation.protocol_metrics` (the logistic probe and kNN at the label fractions, the code
   path of every quick run's results.json) on both encoders' features; with --ours, the run's own
@@ -57,7 +59,8 @@ FEATURE_KEYS = ('trained_train', 'trained_test', 'random_train', 'random_test', 
 METHODS = ('ssd', 'fedalignuniform')
 # The coefficients of the authors' scripts (scripts/run_FedAlignUniformSubspace.sh: subspace 1.0,
 # distill 0.1, KL; configs/FedAlignUniformSubspace/default.yaml: weight range [10, 10], normalised,
-# detached target, mode fixed) and of FedAlignUniform (configs/FedAlignUniform/default.yaml: both 0).
+# detached target, mode fixed) and of FedAlignUniform (configs/FedAlignUniform/default.yaml: both
+# 0).
 METHOD_SETTINGS = {
     'ssd': dict(subspace_coeff=1.0, distill_coeff=0.1, subspace_mode='fixed'),
     'fedalignuniform': dict(subspace_coeff=0.0, distill_coeff=0.0, subspace_mode='none'),
@@ -297,7 +300,8 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
   install_stubs()
   sys.path.insert(0, str(authors_code))
   from fedbox.utils.training import set_seed  # pylint: disable=g-import-not-at-top
-  from methods.fedalignuniform import FedAlignUniformClient, FedAlignUniformServer  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from methods.fedalignuniform import FedAlignUniformClient, FedAlignUniformServer
 
   prepared = dict(np.load(data))
   num_clients = len(prepared['client_offsets']) - 1
@@ -376,7 +380,8 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
   return dict(trained_train=encoder_features(server.encoder, train_x, mean, std),
               trained_test=encoder_features(server.encoder, test_x, mean, std),
               random_train=random_train, random_test=random_test,
-              losses_json=np.str_(json.dumps(losses)), settings_json=np.str_(json.dumps(settings_out)))
+              losses_json=np.str_(json.dumps(losses)),
+              settings_json=np.str_(json.dumps(settings_out)))
 
 
 TABLE_METRICS = ('probe_acc', 'probe_acc_10pct', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct')
@@ -384,8 +389,8 @@ TABLE_METRICS = ('probe_acc', 'probe_acc_10pct', 'probe_acc_1pct', 'knn_acc', 'k
 
 def table(results: Sequence[Dict[str, Any]]) -> str:
   """A markdown table of `evaluate` outputs: per result the authors' trainer and, when the result
-  carries 'ours', our run of the same method, clients and seed (once), each with its random-init probe and
-  kNN; accuracies in %."""
+  carries 'ours', our run of the same method, clients and seed (once), each with its random-init
+  probe and kNN; accuracies in %."""
   head = ('| method | clients | trainer | seed | weight decay | ' + ' | '.join(TABLE_METRICS)
           + ' | random-init probe_acc | random-init knn_acc |')
   lines = [head, '|' + '---|' * (head.count('|') - 1)]
@@ -442,7 +447,8 @@ def parser() -> argparse.ArgumentParser:
 
 def full_help(p: argparse.ArgumentParser) -> str:
   """Every subcommand's help, for `--helpfull` (absl's name, which the docs test reads)."""
-  subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
   return p.format_help() + ''.join(sp.format_help() for sp in subs.choices.values())
 
 

@@ -85,11 +85,13 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
                trained_test=_merged_pair_features(arrays['test_y'], k),
                random_train=rng.normal(size=(400, 8)).astype(np.float32),
                random_test=rng.normal(size=(len(arrays['test_y']), 8)).astype(np.float32),
-               losses_json=np.str_('[{"round": 0}]'), settings_json=np.str_('{"method": "ssd", "seed": 3, "weight_decay": 0.0001, "client_sizes": [1, 2, 3, 4]}'))
+               losses_json=np.str_('[{"round": 0}]'),
+               settings_json=np.str_(json.dumps({'method': 'ssd', 'seed': 3, 'weight_decay': 1e-4,
+                                                 'client_sizes': [1, 2, 3, 4]})))
   np.savez(tmp_path / 'f.npz', **feats)
   (tmp_path / 'results.json').write_text(json.dumps(
       {'final': {'probe_acc': 0.8, 'probe_acc_clients': [0.1]}, 'random_init': {'knn_acc': 0.5}}))
-  # evaluate rebuilds the quick config from the prepared seed; the synthetic set needs its fractions.
+  # evaluate rebuilds the quick config from the prepared seed and clients; here the synthetic one.
   made = _synthetic_config()
   monkeypatch.setattr(authors, 'quick_config',
                       lambda seed, num_clients: made if (seed, num_clients) == (3, 4) else None)
@@ -105,9 +107,10 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
   assert len(lines) == 5 and [l.split(' | ')[2] for l in lines[2:]] == [
       'authors (torch)', 'ours (fedjax_ssl)', 'authors (torch)']
   knn = 100 * res['trained']['knn_acc']
-  assert lines[2].startswith(f'| ssd | 4 | authors (torch) | 3 | 0.0001 | ') and f'{knn:.2f}' in lines[2]
-  assert lines[3] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | n/a | '
-                      '50.00 |')
+  assert lines[2].startswith('| ssd | 4 | authors (torch) | 3 | 0.0001 | ')
+  assert f'| {knn:.2f} |' in lines[2]
+  assert lines[3] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | '
+                      'n/a | 50.00 |')
 
 
 def test_quick_config_is_a_column_of_the_quick_table():
@@ -127,8 +130,8 @@ def test_train_refuses_a_tree_that_is_not_theirs(tmp_path):
 
 
 @pytest.mark.skipif(not (os.environ.get('SSD_TORCH_PYTHON') and os.environ.get('SSD_AUTHORS_CODE')),
-                    reason='needs SSD_TORCH_PYTHON (an interpreter with torch) and SSD_AUTHORS_CODE '
-                           '(the github:hc-fang/ssd tree); CI has neither')
+                    reason='needs SSD_TORCH_PYTHON (an interpreter with torch) and '
+                           'SSD_AUTHORS_CODE (the github:hc-fang/ssd tree); CI has neither')
 @pytest.mark.parametrize('method', authors.METHODS)
 def test_train_drives_the_authors_classes(tmp_path, method):
   arrays = authors.prepare_arrays(_synthetic_config(train_size=600, num_clients=3, alpha=100.0))
