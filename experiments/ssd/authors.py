@@ -29,8 +29,8 @@ train: imports the authors' modules from --authors_code (their tree is never cop
   the participants are their `select_clients`' (`random.sample` below all); their per-round feature
   extraction and kNN are no-ops here (the features are extracted once, after the last round). The
   views are ours re-implemented in torch (`torch_views`), since torchvision is not installed. Writes
-  the encoder's (Tanh 84-d) features of the un-augmented, normalised train and test images, trained and
-  at initialisation, and the per-round losses (`FEATURE_KEYS`).
+  the encoder's (Tanh 84-d) features of the un-augmented, normalised train and test images,
+  trained and at initialisation, and the per-round losses (`FEATURE_KEYS`).
 evaluate: `evaluation.protocol_metrics` (the logistic probe and kNN at the label fractions, the code
   path of every quick run's results.json) on both encoders' features; with --ours, the run's own
   results.json 'final' metrics beside them.
