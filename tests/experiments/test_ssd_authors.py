@@ -163,3 +163,35 @@ def test_train_drives_the_authors_classes(tmp_path, method):
     extra = r['subspace_loss'] + 0.1 * r['distillation_loss'] if ssd else 0.0
     assert r['train_loss'] == pytest.approx(parts + extra, abs=1e-5)
     assert (r['subspace_loss'] is not None) == ssd
+
+
+_TORCH_VIEWS_CHECK = '''
+import torch
+from experiments.ssd.authors import torch_views
+g = torch.Generator().manual_seed(0)
+x = torch.rand(64, 1, 28, 28, generator=g)
+same = dict(crop_scale=(1.0, 1.0), ratio=(1.0, 1.0), jitter_prob=0.0)
+# The whole box, no flip, no jitter: bilinear sampling at the pixel centres returns the image (to
+# float32 rounding of the grid coordinates: a few ulp of 28, times a pixel difference <= 1).
+assert torch.allclose(torch_views(x, g, flip_prob=0.0, **same), x, atol=1e-5)
+assert torch.allclose(torch_views(x, g, flip_prob=1.0, **same), x.flip(-1), atol=1e-5)
+# Brightness only (contrast 0): each image scaled by one factor in [0.6, 1.4], clipped to [0, 1].
+y = torch_views(x * 0.5, g, flip_prob=0.0, jitter_prob=1.0, contrast=0.0, crop_scale=(1.0, 1.0),
+                ratio=(1.0, 1.0))
+# (x / 2 times at most 1.4 stays below 1: nothing is clipped, so y = f x / 2 exactly up to rounding.)
+f = y.sum(dim=(1, 2, 3), keepdim=True) / (x * 0.5).sum(dim=(1, 2, 3), keepdim=True)
+assert (y - f * x * 0.5).abs().max() < 1e-5
+assert f.min() >= 0.6 - 1e-6 and f.max() <= 1.4 + 1e-6 and f.std() > 0.05
+z = torch_views(x, g)
+assert z.shape == x.shape and z.min() >= 0 and z.max() <= 1
+print('ok')
+'''
+
+
+@pytest.mark.skipif(not os.environ.get('SSD_TORCH_PYTHON'),
+                    reason='needs SSD_TORCH_PYTHON (an interpreter with torch); CI has none')
+def test_torch_views_identity_flip_and_brightness():
+  env = dict(subprocess_env.binary_env(), PYTHONPATH=str(REPO))
+  out = subprocess.run([os.environ['SSD_TORCH_PYTHON'], '-c', _TORCH_VIEWS_CHECK], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr[-3000:]
