@@ -399,7 +399,10 @@ def table(results: Sequence[Dict[str, Any]]) -> str:
   for res in results:
     st = res['settings']
     k = len(st['client_sizes'])
-    rows = [('authors (torch)', st['weight_decay'], res['trained'], res['random_init'])]
+    # Their loader's rule (drop the last partial batch at K <= 10) overridden: said in the column.
+    rule = st.get('drop_last', k <= 10) == (k <= 10)
+    trainer = 'authors (torch)' + ('' if rule else ', last batch kept' if k <= 10 else ', dropped')
+    rows = [(trainer, st['weight_decay'], res['trained'], res['random_init'])]
     if 'ours' in res and (st['method'], k, st['seed']) not in seen:
       seen.add((st['method'], k, st['seed']))
       # Our quick scale's weight decay (configs/fedu2/common.quick_base).

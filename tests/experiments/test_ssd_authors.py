@@ -111,6 +111,9 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
   assert f'| {knn:.2f} |' in lines[2]
   assert lines[3] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | '
                       'n/a | 50.00 |')
+  kept = dict(res, settings=dict(res['settings'], drop_last=False))
+  assert authors.table([kept]).splitlines()[2].startswith(
+      '| ssd | 4 | authors (torch), last batch kept | 3 |')
 
 
 def test_quick_config_is_a_column_of_the_quick_table():
