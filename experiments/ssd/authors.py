@@ -305,6 +305,9 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
 
   prepared = dict(np.load(data))
   num_clients = len(prepared['client_offsets']) - 1
+  if not 1 <= int(prepared['clients_per_round']) <= num_clients:
+    raise ValueError(f"clients_per_round = {int(prepared['clients_per_round'])} in {data} is "
+                     f'invalid: must lie in [1, {num_clients}] (the prepared clients)')
   if subspace_weight_dim is None:
     subspace_weight_dim = 84 // num_clients
   if drop_last is None:

@@ -137,7 +137,8 @@ def test_train_refuses_a_tree_that_is_not_theirs(tmp_path):
                            'SSD_AUTHORS_CODE (the github:hc-fang/ssd tree); CI has neither')
 @pytest.mark.parametrize('method', authors.METHODS)
 def test_train_drives_the_authors_classes(tmp_path, method):
-  arrays = authors.prepare_arrays(_synthetic_config(train_size=600, num_clients=3, alpha=100.0))
+  arrays = authors.prepare_arrays(_synthetic_config(train_size=600, num_clients=3,
+                                                    clients_per_round=3, alpha=100.0))
   np.savez(tmp_path / 'data.npz', **arrays)
   cmd = [os.environ['SSD_TORCH_PYTHON'], '-m', 'experiments.ssd.authors', 'train', '--data',
          str(tmp_path / 'data.npz'), '--authors_code', os.environ['SSD_AUTHORS_CODE'],
