@@ -110,19 +110,23 @@ def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialSt
   except ValueError as e:
     raise cv.ConfigError(f'config.{e}') from None
   # This process's block of the initial state (1/P of it) tells whether the clients keep a state
-  # and whether evaluation reads every client.
+  # and whether evaluation reads every client; building it needs one client per process at least.
+  _check_processes(config, stateful=False)
   state = initial_state()
-  try:
-    placement.check_processes(config.num_clients, jax.process_count(),
-                              stateful=bool(jax.tree_util.tree_leaves(state.clients)))
-  except ValueError as e:
-    raise cv.ConfigError(f'{e} (--num_processes)') from None
+  _check_processes(config, stateful=bool(jax.tree_util.tree_leaves(state.clients)))
   if rd.holds_block(algo, config.placement) and algo.eval_variables(state)[1]:
     raise cv.ConfigError(f"config.placement = 'divided' is invalid for algorithm "
                          f"{config.algorithm!r}: its evaluation reads every client's model, and "
                          "each process holds only its own clients'; use 'replicated'")
   del state
   return placement.divide(fed_data, jax.process_index(), jax.process_count())
+
+
+def _check_processes(config, stateful: bool) -> None:
+  try:
+    placement.check_processes(config.num_clients, jax.process_count(), stateful)
+  except ValueError as e:
+    raise cv.ConfigError(f'{e} (--num_processes)') from None
 
 
 def checkpoint_form(run: Run, state: FedState, round_idx: int) -> FedState:
