@@ -237,10 +237,12 @@ def recompute_references(table_path: str, out: str, scale: str = 'quick', comman
                                                              memo)
     problems = tables.fill_references(summary, references)
     shown_seeds = sorted({s for e in summary for s in e['seeds']})
-    # table.md keeps the command that produced its values, when it names one.
-    found = re.search(r'^Command: `(.*)`$', (out / 'table.md').read_text(), re.M) if (
+    # table.md keeps the command that produced its values, when it names one, and the note after
+    # it (how the runs were split between processes or sessions).
+    found = re.search(r'^Command: `([^`]*)`(.*)$', (out / 'table.md').read_text(), re.M) if (
         out / 'table.md').exists() else None
-    tables.write_outputs(table, summary, out, shown_seeds, found.group(1) if found else command)
+    tables.write_outputs(table, summary, out, shown_seeds, found.group(1) if found else command,
+                         found.group(2).strip() if found else '')
   print(f'{len(todo)} cells, {len(pairs)} (cell, seed) references, {len(memo)} distinct '
         f'random-init evaluations; raw-pixel reference added to {backfilled} finished runs')
   for line in problems:

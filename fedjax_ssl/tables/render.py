@@ -160,15 +160,16 @@ def _reference_groups(rows: Sequence[str], columns: Sequence[str], metrics: Sequ
 
 
 def markdown(table: Table, summary: Sequence[Dict[str, Any]], seeds: Sequence[int],
-             command: str = '') -> str:
-  """table.md: one rows x columns grid per metric, 'mean ± std (paper P, diff)'."""
+             command: str = '', command_note: str = '') -> str:
+  """table.md: one rows x columns grid per metric, 'mean ± std (paper P, diff)'; `command_note`
+  follows the command on its line (how the runs were split, say)."""
   by_key = {(e['row'], e['column'], e['metric']): e for e in summary}
   lines = [f'# {table.title}', '',
            f'Scale `{table.scale}`, seeds {list(seeds)}; mean ± sample std over seeds, in percent; '
            '"paper" is the number the paper reports for that cell and the signed difference '
            'follows it.']
   if command:
-    lines += ['', f'Command: `{command}`']
+    lines += ['', f'Command: `{command}`' + (f' {command_note}' if command_note else '')]
   if table.overrides:
     shown = ', '.join(f'`{k}={v!r}`' for k, v in sorted(table.overrides.items()))
     lines += ['', f'Overrides applied to every cell: {shown}.']
@@ -404,11 +405,11 @@ def plot_curves(table: Table, found: Mapping[Tuple[str, str], Mapping[str, Any]]
 
 
 def write_outputs(table: Table, summary: Sequence[Dict[str, Any]], out: pathlib.Path,
-                  seeds: Sequence[int], command: str = '') -> None:
+                  seeds: Sequence[int], command: str = '', command_note: str = '') -> None:
   """table.csv, table.md and table.png in `out` (each written atomically)."""
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   summary = mark_collapsed(table, summary)
   write_csv(summary, out / 'table.csv')
-  files.write_text(out / 'table.md', markdown(table, summary, seeds, command))
+  files.write_text(out / 'table.md', markdown(table, summary, seeds, command, command_note))
   plot(table, summary, out / 'table.png')

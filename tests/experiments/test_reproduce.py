@@ -174,6 +174,12 @@ def test_recompute_references_adds_the_fine_tuning_raw_pixel_row_to_finished_run
   row = read_csv_rows(out / 'table.csv')[('fedsimclr.iid', 'ft_acc_10pct')]
   assert (row['values'], row['raw_pixels_values']) == ('50.0000 60.0000', '37.5000 38.5000')
   # Done once: a second pass evaluates nothing and the table is unchanged.
+  # A command line with a note after it (how the runs were split) survives a re-render.
+  noted = 'Command: `python -m experiments.reproduce --table T --out O` (two processes, `--only a`)'
+  md = (out / 'table.md').read_text()
+  assert 'Command: ' not in md
+  (out / 'table.md').write_text(md + '\n' + noted + '\n')
   binary.recompute_references(str(path), str(out), references=True)
   assert sorted(calls) == [0, 1]
   assert read_csv_rows(out / 'table.csv')[('fedsimclr.iid', 'ft_acc_10pct')] == row
+  assert noted in (out / 'table.md').read_text()
