@@ -325,12 +325,16 @@ def seeds_on_disk(out: pathlib.Path) -> List[int]:
 def table_runs(table: Table, current: Sequence[RunSpec], out: pathlib.Path) -> List[RunSpec]:
   """The runs a table's outputs summarise: this invocation's (`current`, from `plan_runs`) and
   every other run of the table with a result or an error under `out`, at any seed, so that running
-  some cells or seeds rewrites the whole table rather than a table of those alone."""
+  some cells or seeds rewrites the whole table rather than a table of those alone; a cell with some
+  seeds on disk keeps its missing ones too, as pending, so that its value is marked '[k of n seeds]'
+  rather than passing for complete (cells never run stay out)."""
   names = {r.name for r in current}
   seeds = {r.seed for r in current} | set(seeds_on_disk(out))
-  others = [r for r in plan_runs(table, sorted(seeds))
-            if r.name not in names and r.config is not None
-            and run_status(r, out)[0] != 'missing']
+  planned = [r for r in plan_runs(table, sorted(seeds)) if r.name not in names
+             and r.config is not None]
+  missing = {r.name for r in planned if run_status(r, out)[0] == 'missing'}
+  started = {c for r in planned if r.name not in missing for c in r.cells}
+  others = [r for r in planned if r.name not in missing or started & set(r.cells)]
   return sorted([*current, *others], key=lambda r: r.seed)  # seed-major, as plan_runs
 
 

@@ -96,6 +96,14 @@ def test_a_table_keeps_the_cells_and_seeds_this_invocation_did_not_run(tmp_path)
   assert {r.name for r in tables.table_runs(
       table, tables.plan_runs(table, [1], ['a.*']), tmp_path)} == (
       {r.name for r in runs})
+  # A's seed 2 not finished while B's seed 1 runs alone: A's cell shows 2 of 3 seeds, marked.
+  a2 = next(r for r in runs if r.name == 'a.iid/seed2')
+  (a2.workdir(tmp_path) / 'results.json').rename(tmp_path / 'a2.json')
+  partial = tables.summarize(table, tables.table_runs(
+      table, tables.plan_runs(table, [1], ['b.*']), tmp_path), tmp_path)
+  assert [(e['n'], e['pending']) for e in partial if e['cell'] == 'a.iid'] == [(2, 1)]
+  assert '[2 of 3 seeds]' in tables.markdown(table, partial, [0, 1, 2])
+  (tmp_path / 'a2.json').rename(a2.workdir(tmp_path) / 'results.json')
   # B's runs gone (a fresh clone): its entry is carried from the earlier csv, and the claim on it
   # is still judged; a csv without per-seed references cannot pair A with its random init.
   a_only = [r for r in runs if r.cells[0][0] == 'A']
