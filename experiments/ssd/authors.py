@@ -34,7 +34,7 @@ train: imports the authors' modules from --authors_code (their tree is never cop
 evaluate: `evaluation.protocol_metrics` (the logistic probe and kNN at the label fractions, the code
   path of every quick run's results.json) on both encoders' features; with --ours, the run's own
   results.json 'final' metrics beside them.
-table: the evaluate outputs as one markdown table (docs/results/ssd/authors/table.md).
+table: the evaluate outputs as docs/results/ssd/authors/table.md (numbers, references, verdict).
 Only this module's `train` needs torch; the module imports without it.
 """
 from __future__ import annotations
@@ -388,12 +388,33 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
 
 
 TABLE_METRICS = ('probe_acc', 'probe_acc_10pct', 'probe_acc_1pct', 'knn_acc', 'knn_acc_1pct')
+VERDICT_METRICS = ('probe_acc', 'knn_acc')
+AUTHORS_WEIGHT_DECAY = 1e-4   # their setting: the verdict's authors column
+COLUMN_NAMES = {10: 'silo 10', 50: 'device 50'}
 
 
-def table(results: Sequence[Dict[str, Any]]) -> str:
-  """A markdown table of `evaluate` outputs: per result the authors' trainer and, when the result
-  carries 'ours', our run of the same method, clients and seed (once), each with its random-init
-  probe and kNN; accuracies in %."""
+def _is_default(settings: Dict[str, Any]) -> bool:
+  """The authors' own setting: their weight decay and their last-batch rule (drop at K <= 10)."""
+  k = len(settings['client_sizes'])
+  return (settings['weight_decay'] == AUTHORS_WEIGHT_DECAY
+          and settings.get('drop_last', k <= 10) == (k <= 10))
+
+
+def our_run(runs: pathlib.Path, method: str, num_clients: int, seed: int) -> Optional[Dict]:
+  """Our quick-table run of `method` in the column of `num_clients` at `seed`: results.json's
+  'final' and 'random_init' and raw_pixels.json, or None while it has not finished."""
+  column = 'silo-10' if num_clients == 10 else f'device-{num_clients}'
+  run = pathlib.Path(runs) / f'{method}.fmnist-{column}' / f'seed{seed}'
+  if not (run / 'results.json').exists():
+    return None
+  res = json.loads((run / 'results.json').read_text())
+  pixels = run / 'raw_pixels.json'
+  return {'final': res['final'], 'random_init': res['random_init'],
+          'raw_pixels': json.loads(pixels.read_text()) if pixels.exists() else None}
+
+
+def _numbers(results, ours) -> List[str]:
+  """Per result the authors' trainer and, once per (method, clients, seed), our run."""
   head = ('| method | clients | trainer | seed | weight decay | ' + ' | '.join(TABLE_METRICS)
           + ' | random-init probe_acc | random-init knn_acc |')
   lines = [head, '|' + '---|' * (head.count('|') - 1)]
@@ -406,15 +427,126 @@ def table(results: Sequence[Dict[str, Any]]) -> str:
     rule = st.get('drop_last', k <= 10) == (k <= 10)
     trainer = 'authors (torch)' + ('' if rule else ', last batch kept' if k <= 10 else ', dropped')
     rows = [(trainer, st['weight_decay'], res['trained'], res['random_init'])]
-    if 'ours' in res and (st['method'], k, st['seed']) not in seen:
+    mine = ours.get((st['method'], k, st['seed']))
+    if mine is not None and (st['method'], k, st['seed']) not in seen:
       seen.add((st['method'], k, st['seed']))
       # Our quick scale's weight decay (configs/fedu2/common.quick_base).
-      rows.append(('ours (fedjax_ssl)', 0.0, res['ours']['final'], res['ours']['random_init']))
+      rows.append(('ours (fedjax_ssl)', 0.0, mine['final'], mine['random_init']))
     for trainer, wd, final, init in rows:
       lines.append(f'| {st["method"]} | {k} | {trainer} | {st["seed"]} | {wd:g} | '
                    + ' | '.join(pct(final, m) for m in TABLE_METRICS)
                    + f' | {pct(init, "probe_acc")} | {pct(init, "knn_acc")} |')
-  return '\n'.join(lines) + '\n'
+  return lines
+
+
+def _ms(values: Sequence[float]) -> str:
+  return (f'{np.mean(values):.2f} ± {np.std(values, ddof=1):.2f}' if len(values) > 1
+          else f'{values[0]:.2f}' if values else 'n/a')
+
+
+def _references(results, ours) -> List[str]:
+  """Raw pixels (our runs' raw_pixels.json: the same images, split and protocol serve both
+  trainers) and each trainer's random-init encoder, as ranges over the seeds read."""
+  lines = []
+  for metric in VERDICT_METRICS:
+    pixels = [100 * o['raw_pixels'][metric] for o in ours.values()
+              if o['raw_pixels'] and metric in o['raw_pixels']]
+    # One encoder per (method, clients, seed) whatever the trainer's settings: counted once.
+    theirs = list({(r['settings']['method'], len(r['settings']['client_sizes']),
+                    r['settings']['seed']): 100 * r['random_init'][metric]
+                   for r in results if metric in r['random_init']}.values())
+    mine = [100 * o['random_init'][metric] for o in ours.values() if metric in o['random_init']]
+    span = lambda v: f'{min(v):.2f}–{max(v):.2f} ({len(v)} runs)' if v else 'n/a'
+    lines.append(f'| {metric} | {span(pixels)} | {span(theirs)} | {span(mine)} |')
+  return ['| metric | raw pixels | random init, authors (torch) | random init, ours (flax) |',
+          '|---|---|---|---|', *lines]
+
+
+def _verdicts(results, ours) -> List[str]:
+  """Ours against the authors' trainer (their setting) per column and method, and SSD >
+  FedAlignUniform per trainer and column, by the project's rule (`tables.verdict`: effect beyond
+  twice the larger seed std)."""
+  from fedjax_ssl import tables  # pylint: disable=g-import-not-at-top  (train runs without jax)
+  per = {}   # (trainer, method, k) -> {seed: trained metrics}
+  for res in results:
+    st = res['settings']
+    if _is_default(st):
+      per.setdefault(('authors', st['method'], len(st['client_sizes'])), {})[st['seed']] = (
+          res['trained'])
+  for (method, k, seed), mine in ours.items():
+    per.setdefault(('ours', method, k), {})[seed] = mine['final']
+  values = lambda key, metric, seeds: [100 * per[key][s].get(metric, math.nan) for s in seeds]
+
+  def judge(hi, lo):   # a metric one side did not record is not judged
+    if not all(map(math.isfinite, hi + lo)):
+      return {'effect': math.nan, 'spread': math.nan, 'verdict': 'n/a'}
+    return tables.verdict(hi, lo)
+
+  both = ['| column | method | authors | ours | ours − authors (probe / kNN) | twice the spread '
+          '| seeds | verdict |', '|---|---|---|---|---|---|---|---|']
+  claims = ['| claim | trainer | column | effect (probe / kNN) | twice the spread | seeds | '
+            'verdict (probe / kNN) |', '|---|---|---|---|---|---|---|']
+  word = {'confirmed': 'ours higher', 'reversed': 'ours lower', 'not confirmed': 'same within '
+          'seed noise'}
+  for k in sorted({key[2] for key in per}):
+    column = COLUMN_NAMES.get(k, f'{k} clients')
+    for method in METHODS:
+      a, o = per.get(('authors', method, k), {}), per.get(('ours', method, k), {})
+      seeds = sorted(set(a) & set(o))
+      if not seeds:
+        continue
+      found = [judge(values(('ours', method, k), m, seeds),
+                     values(('authors', method, k), m, seeds)) for m in VERDICT_METRICS]
+      show = lambda key: ' / '.join(_ms(values(key, m, seeds)) for m in VERDICT_METRICS)
+      both.append(f'| {column} | {method} | {show(("authors", method, k))} | '
+                  f'{show(("ours", method, k))} | '
+                  + ' / '.join(f'{f["effect"]:+.2f}' for f in found) + ' | '
+                  + ' / '.join(f'{2 * f["spread"]:.2f}' for f in found) + f' | {len(seeds)} | '
+                  + ' / '.join(word.get(f['verdict'], f['verdict']) for f in found) + ' |')
+    for trainer in ('authors', 'ours'):
+      hi, lo = per.get((trainer, 'ssd', k), {}), per.get((trainer, 'fedalignuniform', k), {})
+      seeds = sorted(set(hi) & set(lo))
+      if not seeds:
+        continue
+      found = [judge(values((trainer, 'ssd', k), m, seeds),
+                     values((trainer, 'fedalignuniform', k), m, seeds)) for m in VERDICT_METRICS]
+      claims.append(f'| SSD > FedAlignUniform | {trainer} | {column} | '
+                    + ' / '.join(f'{f["effect"]:+.2f}' for f in found) + ' | '
+                    + ' / '.join(f'{2 * f["spread"]:.2f}' for f in found) + f' | {len(seeds)} | '
+                    + ' / '.join(f['verdict'] for f in found) + ' |')
+  return both + [''] + claims
+
+
+def table(results: Sequence[Dict[str, Any]], runs: Optional[pathlib.Path] = None) -> str:
+  """table.md from `evaluate` outputs: the numbers (per result the authors' trainer and our run of
+  the same method, clients and seed: from `runs`, our quick table's runs folder, else from the
+  result's 'ours'), the reference rows, and the verdicts (ours against theirs in their setting;
+  SSD > FedAlignUniform per trainer); accuracies in %."""
+  ours = {}
+  for res in results:
+    st = res['settings']
+    key = (st['method'], len(st['client_sizes']), st['seed'])
+    found = our_run(runs, *key) if runs is not None else (
+        dict(res['ours'], raw_pixels=None) if 'ours' in res else None)
+    if found is not None:
+      ours[key] = found
+  source = (f'our quick table\'s runs (`{runs}`)' if runs is not None
+            else 'the `ours` field of each JSON')
+  return '\n'.join([
+      '# SSD and FedAlignUniform: the authors\' trainer beside ours (numbers, references, verdict)',
+      '', 'Written by `python -m experiments.ssd.authors table` from the JSONs beside this file and '
+      f'{source}; how they were made and how to read them: [README.md](README.md).', '',
+      '## Numbers (accuracy, %)', '', *_numbers(results, ours), '',
+      '## Reference rows (%)', '',
+      'The same images, split and protocol for both trainers, so one raw-pixel reference serves '
+      'both; each trainer\'s random-init encoder is its own (torch\'s or flax\'s initialisation). '
+      'No supervised row was trained by the authors\' code; ours is in the quick table '
+      '(docs/results/ssd/fmnist_quick/table.md).', '', *_references(results, ours), '',
+      '## Verdict', '',
+      'Mean ± sample std over the seeds both sides finished (authors: their setting, weight decay '
+      f'{AUTHORS_WEIGHT_DECAY:g} and their last-batch rule; ours: the quick table), probe / kNN in '
+      '%. A difference counts when it exceeds twice the larger seed std (`tables.verdict`).', '',
+      *_verdicts(results, ours), ''])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,8 +578,10 @@ def parser() -> argparse.ArgumentParser:
   ev.add_argument('--features', required=True, type=pathlib.Path)
   ev.add_argument('--out', required=True, type=pathlib.Path)
   ev.add_argument('--ours', type=pathlib.Path, default=None, help="our run's results.json")
-  ta = sub.add_parser('table', help='a markdown table of evaluate outputs')
+  ta = sub.add_parser('table', help='table.md (numbers, references, verdict) of evaluate outputs')
   ta.add_argument('results', nargs='+', type=pathlib.Path)
+  ta.add_argument('--runs', type=pathlib.Path, default=None,
+                  help="our quick table's runs folder (docs/results/ssd/fmnist_quick/runs)")
   return p
 
 
@@ -478,7 +612,7 @@ def main(argv: Sequence[str]) -> int:
     np.savez_compressed(args.out, **out)
     print(out['settings_json'])
   elif args.command == 'table':
-    print(table([json.loads(p.read_text()) for p in args.results]), end='')
+    print(table([json.loads(p.read_text()) for p in args.results], args.runs), end='')
   else:
     res = evaluate(args.data, args.features, args.ours)
     args.out.parent.mkdir(parents=True, exist_ok=True)

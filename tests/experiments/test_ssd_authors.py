@@ -102,18 +102,68 @@ def test_evaluate_reads_both_npz_and_our_results(tmp_path, monkeypatch):
   assert abs(res['random_init']['probe_acc'] - 0.1) < 5 * np.sqrt(0.1 * 0.9 / m)
   assert res['ours'] == {'final': {'probe_acc': 0.8}, 'random_init': {'knn_acc': 0.5}}
   assert res['settings']['seed'] == 3 and res['losses'] == [{'round': 0}]
-  lines = authors.table([res, res]).splitlines()
-  # Header, rule, the authors' row twice, ours once (one per method and seed).
-  assert len(lines) == 5 and [l.split(' | ')[2] for l in lines[2:]] == [
+  lines = _rows(authors.table([res, res]), 'Numbers')
+  # The authors' row twice, ours once (one per method and seed).
+  assert [l.split(' | ')[2] for l in lines] == [
       'authors (torch)', 'ours (fedjax_ssl)', 'authors (torch)']
   knn = 100 * res['trained']['knn_acc']
-  assert lines[2].startswith('| ssd | 4 | authors (torch) | 3 | 0.0001 | ')
-  assert f'| {knn:.2f} |' in lines[2]
-  assert lines[3] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | '
+  assert lines[0].startswith('| ssd | 4 | authors (torch) | 3 | 0.0001 | ')
+  assert f'| {knn:.2f} |' in lines[0]
+  assert lines[1] == ('| ssd | 4 | ours (fedjax_ssl) | 3 | 0 | 80.00 | n/a | n/a | n/a | n/a | '
                       'n/a | 50.00 |')
   kept = dict(res, settings=dict(res['settings'], drop_last=False))
-  assert authors.table([kept]).splitlines()[2].startswith(
+  assert _rows(authors.table([kept]), 'Numbers')[0].startswith(
       '| ssd | 4 | authors (torch), last batch kept | 3 |')
+
+
+def _rows(md: str, section: str):
+  """The rows (not the header and rule) of the tables under `## {section}` of table.md."""
+  body = md.split(f'## {section}', 1)[1].split('\n## ', 1)[0]
+  lines = [l for l in body.splitlines() if l.startswith('|')]
+  rule = lambda l: set(l) <= set('|-')
+  return [l for i, l in enumerate(lines)
+          if not rule(l) and not (i + 1 < len(lines) and rule(lines[i + 1]))]
+
+
+def test_table_verdicts_follow_the_rule_on_values_fixed_by_hand(tmp_path):
+  """Ours against theirs and SSD > FedAlignUniform from hand-picked per-seed accuracies: means,
+  sample stds and verdicts checked against numpy and the project's rule."""
+  theirs = {'ssd': [0.80, 0.81, 0.82], 'fedalignuniform': [0.70, 0.71, 0.72]}
+  mine = {'ssd': [0.805, 0.815, 0.825], 'fedalignuniform': [0.60, 0.61, 0.62]}
+  results = []
+  for method, accs in theirs.items():
+    for seed, acc in enumerate(accs):
+      settings = {'method': method, 'seed': seed, 'weight_decay': 1e-4, 'client_sizes': [5] * 10}
+      results.append({'settings': settings, 'trained': {'probe_acc': acc, 'knn_acc': acc - 0.1},
+                      'random_init': {'probe_acc': 0.5 + seed / 100, 'knn_acc': 0.4}})
+      # A weight-decay-0 run of theirs is in the numbers, not in the verdict.
+      results.append(dict(results[-1], settings=dict(settings, weight_decay=0.0),
+                          trained={'probe_acc': 0.1, 'knn_acc': 0.1}))
+      run = tmp_path / f'{method}.fmnist-silo-10' / f'seed{seed}'
+      run.mkdir(parents=True)
+      acc = mine[method][seed]
+      (run / 'results.json').write_text(json.dumps(
+          {'final': {'probe_acc': acc, 'knn_acc': acc - 0.1},
+           'random_init': {'probe_acc': 0.45, 'knn_acc': 0.35}}))
+      (run / 'raw_pixels.json').write_text(json.dumps({'probe_acc': 0.83 + seed / 1000,
+                                                       'knn_acc': 0.79}))
+  md = authors.table(results, tmp_path)
+  assert len(_rows(md, 'Numbers')) == 12 + 6
+  assert _rows(md, 'Reference rows') == [
+      '| probe_acc | 83.00–83.20 (6 runs) | 50.00–52.00 (6 runs) | 45.00–45.00 (6 runs) |',
+      '| knn_acc | 79.00–79.00 (6 runs) | 40.00–40.00 (6 runs) | 35.00–35.00 (6 runs) |']
+  both, claims = _rows(md, 'Verdict')[:2], _rows(md, 'Verdict')[2:]
+  # SSD: ours − theirs = +0.50 points, seed std 1.00 -> same; FedAlignUniform: −10 -> ours lower.
+  assert both[0] == ('| silo 10 | ssd | 81.00 ± 1.00 / 71.00 ± 1.00 | 81.50 ± 1.00 / 71.50 ± 1.00 '
+                     '| +0.50 / +0.50 | 2.00 / 2.00 | 3 | same within seed noise / same within '
+                     'seed noise |')
+  assert both[1].endswith('| -10.00 / -10.00 | 2.00 / 2.00 | 3 | ours lower / ours lower |')
+  assert claims == [
+      '| SSD > FedAlignUniform | authors | silo 10 | +10.00 / +10.00 | 2.00 / 2.00 | 3 | '
+      'confirmed / confirmed |',
+      '| SSD > FedAlignUniform | ours | silo 10 | +20.50 / +20.50 | 2.00 / 2.00 | 3 | '
+      'confirmed / confirmed |']
+  np.testing.assert_allclose(np.std(np.array(theirs['ssd']) * 100, ddof=1), 1.0)
 
 
 def test_quick_config_is_a_column_of_the_quick_table():
