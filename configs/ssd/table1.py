@@ -114,4 +114,6 @@ def get_table(scale: str) -> tables.Table:
              'Cross-silo: 10 clients, all every round; cross-device: 50 clients, 10 a round. '
              'Evaluation: the project\'s protocol (logistic probe on frozen features, kNN); no '
              'fine-tuning. Geometry (uniformity, effective rank) per row: '
-             'python -m experiments.fedu2.evidence --out DIR. Not comparable to the paper.'))
+             'python -m experiments.fedu2.evidence --out DIR. Not comparable to the paper.'
+             + ('' if evidence else ' FedDecorr and FedX collapse here: the LeNet-5\'s tanh '
+                'feature layer saturates, every feature at +-1 (docs/notes/ssd.md#ssd-e10).')))
