@@ -6,7 +6,7 @@ table) in the same runs.
   python -m experiments.reproduce --table configs/ssd/table1.py --out DIR                   # quick
   python -m experiments.reproduce --table configs/ssd/table1.py --out DIR --scale evidence
   python -m experiments.reproduce --table configs/ssd/table1.py --out DIR --scale paper     # GPU
-  python -m experiments.fedu2.evidence --out DIR       # uniformity, effective rank per row
+  python -m experiments.fedu2.evidence --out DIR --claims ssd>fedalignuniform,...   # geometry
 
 Rows: SSD (FedAvg + DSR + PD on alignment-uniformity, the code's gamma 1, delta 0.1, alpha 10, tau
 0.5), its ablations (FedAlignUniform + DSR: delta 0; FedAlignUniform + PD: gamma 0), and the
@@ -113,7 +113,8 @@ def get_table(scale: str) -> tables.Table:
              + ' of 1 local epoch, SGD 0.1 cosine, every row on alignment + uniformity (t = 2). '
              'Cross-silo: 10 clients, all every round; cross-device: 50 clients, 10 a round. '
              'Evaluation: the project\'s protocol (logistic probe on frozen features, kNN); no '
-             'fine-tuning. Geometry (uniformity, effective rank) per row: '
-             'python -m experiments.fedu2.evidence --out DIR. Not comparable to the paper.'
+             'fine-tuning. Geometry (uniformity, effective rank) per row: python -m '
+             'experiments.fedu2.evidence --out DIR (geometry.md beside this table, with its '
+             'verdicts). Not comparable to the paper.'
              + ('' if evidence else ' FedDecorr and FedX collapse here: the LeNet-5\'s tanh '
                 'feature layer saturates, every feature at +-1 (docs/notes/ssd.md#ssd-e10).')))

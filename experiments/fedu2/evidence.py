@@ -10,8 +10,10 @@ checkpoint (read-only) and the run's own random-init encoder, and measures on th
   * alignment: mean |f(v1) - f(v2)|^2 over two augmented views of the same images (the run's
     augmentation; lower = better aligned);
   * spectrum: singular values of the feature covariance of all test images; effective rank.
-Writes OUT/geometry.json, OUT/geometry.md (mean +- std over seeds per cell) and OUT/spectrum.png
-(log singular values, mean over seeds, per cell, random init dashed).
+Writes OUT/geometry.json, OUT/geometry.md (mean +- std over seeds per cell; with --claims
+ssd>fedalignuniform,... a verdict per claim, column and metric) and OUT/spectrum.png (log singular
+values, mean over seeds, per cell, random init dashed). --render_only rewrites geometry.md from
+geometry.json.
 """
 from __future__ import annotations
 
@@ -84,16 +86,89 @@ def _mean_std(values):
   return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+# Which way is better per metric: lower uniformity (more uniform on the sphere), lower alignment
+# (views closer), higher effective rank (more dimensions used).
+HIGHER_IS_BETTER = {'uniformity': False, 'alignment': False, 'effective_rank': True}
+
+
+def parse_claim(text: str) -> tuple:
+  """'A>B' -> ('A', 'B'): row A's geometry better than row B's in every column both ran."""
+  better, sep, worse = text.partition('>')
+  if not sep or not better.strip() or not worse.strip():
+    raise ValueError(f'--claims entry {text!r} is invalid: must be ROW>ROW, e.g. '
+                     'ssd>fedalignuniform (the cell names before the first ".")')
+  return better.strip(), worse.strip()
+
+
+def verdict_lines(results: dict, claims) -> list:
+  """The verdict section of geometry.md: for each claim (better row, worse row) and each column
+  (the cell name after the row's ".") both rows ran, per METRICS the effect (better minus worse,
+  signed so that > 0 is better: HIGHER_IS_BETTER), the larger seed std and `tables.verdict`'s word,
+  over the seeds both cells have."""
+  from fedjax_ssl import tables  # pylint: disable=g-import-not-at-top
+  lines = ['| claim | column | metric | effect | spread | seeds | verdict |',
+           '|---|---|---|---|---|---|---|']
+  for better, worse in claims:
+    columns = sorted({c.split('.', 1)[1] for c in results if c.split('.', 1)[0] == better} &
+                     {c.split('.', 1)[1] for c in results if c.split('.', 1)[0] == worse})
+    for column in columns:
+      hi, lo = results[f'{better}.{column}'], results[f'{worse}.{column}']
+      seeds = sorted(set(hi) & set(lo))
+      for m in METRICS:
+        sign = 1.0 if HIGHER_IS_BETTER[m] else -1.0
+        found = tables.verdict([sign * hi[s]['trained'][m] for s in seeds],
+                               [sign * lo[s]['trained'][m] for s in seeds])
+        lines.append(f'| {better} > {worse} | {column} | {m} | {found["effect"]:+.3f} | '
+                     f'{found["spread"]:.3f} | {found["n"]} | {found["verdict"]} |')
+  return lines
+
+
+def markdown(results: dict, claims=()) -> str:
+  """geometry.md: mean ± std over seeds per cell, the first run's random init, and with `claims`
+  a verdict section (`verdict_lines`)."""
+  lines = ['| cell | seeds | ' + ' | '.join(METRICS) + ' |', '|---|---|' + '---|' * len(METRICS)]
+  for cell, seeds in sorted(results.items()):
+    cols = [f'{m:.3f} ± {s:.3f}' for m, s in
+            (_mean_std([r['trained'][k] for r in seeds.values()]) for k in METRICS)]
+    lines.append(f'| {cell} | {len(seeds)} | ' + ' | '.join(cols) + ' |')
+  for r in [r['random_init'] for seeds in results.values() for r in seeds.values()][:1]:
+    lines.append('| random init (first run) | 1 | ' + ' | '.join(f'{r[k]:.3f}' for k in METRICS)
+                 + ' |')
+  if claims:
+    lines += ['', '## Verdict', '',
+              'Effect = better row − worse row, signed so that > 0 means better (lower uniformity '
+              'and alignment, higher effective rank), over the seeds both cells have; spread = the '
+              'larger seed std. *Confirmed* needs effect > 2 × spread, *reversed* effect < −2 × '
+              'spread.', '', *verdict_lines(results, claims)]
+  return '\n'.join(lines) + '\n'
+
+
 def define_flags() -> None:
   """The binary's flags; defined only when it runs, so that tests can import this module beside
   `experiments.reproduce`, whose --out would clash."""
   flags.DEFINE_string('out', None, 'An experiments.reproduce output directory.', required=True)
   flags.DEFINE_integer('num_images', 2000, 'Test images for uniformity and alignment.')
+  flags.DEFINE_list('claims', [], 'ROW>ROW pairs judged per column in geometry.md, e.g. '
+                    'ssd>fedalignuniform (rows: the cell names before the first ".").')
+  flags.DEFINE_bool('render_only', False, 'Rewrite geometry.md from geometry.json, measuring '
+                    'nothing.')
 
 
 def main(argv):
   del argv
   out = pathlib.Path(flags.FLAGS.out)
+  try:
+    claims = [parse_claim(c) for c in flags.FLAGS.claims]
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  if flags.FLAGS.render_only:
+    if not (out / 'geometry.json').exists():
+      raise SystemExit(f'error: --render_only: {out / "geometry.json"} does not exist: run '
+                       'without --render_only first')
+    (out / 'geometry.md').write_text(markdown(json.loads((out / 'geometry.json').read_text()),
+                                              claims))
+    print((out / 'geometry.md').read_text(), end='')
+    return
   runs = sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
   if not runs:
     raise SystemExit(f'error: no finished runs under {out / "runs"}')
@@ -103,18 +178,12 @@ def main(argv):
     print(run.parent.name, run.name, {k: round(results[run.parent.name][run.name]['trained'][k], 4)
                                        for k in METRICS}, flush=True)
   (out / 'geometry.json').write_text(json.dumps(results, indent=1))
-  lines = ['| cell | seeds | ' + ' | '.join(METRICS) + ' |', '|---|---|' + '---|' * len(METRICS)]
   ref = [r['random_init'] for seeds in results.values() for r in seeds.values()][:1]
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for cell, seeds in sorted(results.items()):
-    cols = [f'{m:.3f} ± {s:.3f}' for m, s in
-            (_mean_std([r['trained'][k] for r in seeds.values()]) for k in METRICS)]
-    lines.append(f'| {cell} | {len(seeds)} | ' + ' | '.join(cols) + ' |')
     spec = np.mean([r['trained']['spectrum'] for r in seeds.values()], axis=0)
     ax.plot(np.log10(np.maximum(spec, 1e-12)), label=cell)
   for r in ref:
-    cols = [f'{r[k]:.3f}' for k in METRICS]
-    lines.append('| random init (first run) | 1 | ' + ' | '.join(cols) + ' |')
     ax.plot(np.log10(np.maximum(r['spectrum'], 1e-12)), 'k--', label='random init')
   ax.set_xlabel('singular value index')
   ax.set_ylabel('log10 singular value of the feature covariance')
@@ -123,8 +192,8 @@ def main(argv):
   fig.tight_layout()
   plotting.save_figure(fig, out / 'spectrum.png', dpi=120)
   plt.close(fig)
-  (out / 'geometry.md').write_text('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  (out / 'geometry.md').write_text(markdown(results, claims))
+  print((out / 'geometry.md').read_text(), end='')
 
 
 if __name__ == '__main__':
