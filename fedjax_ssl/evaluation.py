@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import flax.linen as nn
 import jax
@@ -39,20 +39,32 @@ def encoder_features(algo: Algorithm, variables: Any, per_client: bool, images: 
   return fn(algo.encoder_apply, variables, images, dataset.mean, dataset.std, batch_size=batch_size)
 
 
+# The training split's features of one shared encoder: (algo, variables) -> [N_train, d]; under
+# placement 'divided' each process embeds the rows it holds and one gather assembles the split
+# (run_setup.TrainFeatures).
+TrainFeaturesFn = Callable[[Algorithm, Any], np.ndarray]
+
+
 def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState, dataset: Dataset,
-             *, probe: bool = True, knn: bool = True) -> Dict[str, Any]:
+             *, probe: bool = True, knn: bool = True,
+             train_features: Optional[TrainFeaturesFn] = None) -> Dict[str, Any]:
   """Linear probe (full train -> full test) and kNN monitor on the frozen encoder(s), and with
   config.finetune != 'none' (and `probe`) the semi-supervised fine-tune (`finetune_metrics`).
 
   Personalised models are evaluated client by client; the result is the unweighted client mean
   (per-client accuracies under '<metric>_clients', in client-id order). With several cohorts
   (architectures) each cohort's mean is reported too, as '<metric>_<cohort name>'.
+  `train_features` replaces the extraction of dataset.train_x's features (a shared encoder only).
   """
   variables, per_client = algo.eval_variables(state)
   encoders = encoder_modules(config) if probe and config.finetune != 'none' else None
   if not per_client:
     return _evaluate_encoder(config, algo, variables, False, dataset, probe=probe, knn=knn,
-                             encoder=encoders[0] if encoders else None)
+                             encoder=encoders[0] if encoders else None,
+                             train_features=train_features)
+  if train_features is not None:
+    raise ValueError(f'{algo.name}: train_features serves a shared encoder; this algorithm '
+                     'evaluates one encoder per client')
   groups = (tuple(zip(algo.cohorts, variables)) if algo.cohorts else
             ((rd.cohorts(algo, len(jax.tree_util.tree_leaves(variables)[0]))[0], variables),))
   if encoders is not None and len(encoders) != len(groups):
@@ -85,7 +97,8 @@ def encoder_modules(config: ml_collections.ConfigDict) -> List[nn.Module]:
 
 def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variables: Any,
                       per_client: bool, dataset: Dataset, *, probe: bool, knn: bool,
-                      encoder: Optional[nn.Module] = None) -> Dict[str, Any]:
+                      encoder: Optional[nn.Module] = None,
+                      train_features: Optional[TrainFeaturesFn] = None) -> Dict[str, Any]:
   """{metric: accuracy} for one shared encoder, or {metric: [C] accuracies} for stacked ones.
 
   Supervised models (`algo.classifier_apply`) also report 'test_acc', the whole classifier's
@@ -109,7 +122,8 @@ def _evaluate_encoder(config: ml_collections.ConfigDict, algo: Algorithm, variab
   probe = logistic or (probe and (config.probe_epochs > 0 or config.probe_std_epochs > 0))
   if not (knn or probe):
     return out
-  train_f = encoder_features(algo, variables, per_client, dataset.train_x, dataset)
+  train_f = (train_features(algo, variables) if train_features is not None else
+             encoder_features(algo, variables, per_client, dataset.train_x, dataset))
   test_f = encoder_features(algo, variables, per_client, dataset.test_x, dataset)
   if logistic:
     per = [protocol_metrics(config, a, b, dataset) for a, b in

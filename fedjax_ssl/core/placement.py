@@ -13,7 +13,8 @@ Under 'divided' each round's participants reach every process by one JAX all-gat
 runs the same traced program as 'replicated' on a `FedData` holding only the participants' rows
 (`participant_data`, same `n`, `n_max`, `n_min`): the offsets point into the smaller array and the
 rows read are the same bytes, so a run's numbers do not depend on the process count
-(tests/core/test_placement.py).
+(tests/core/test_placement.py). The evaluation gathers the held rows' features the same way
+(`gather_rows`; run_setup.TrainFeatures).
 """
 from __future__ import annotations
 
@@ -128,6 +129,21 @@ def exchange(held: Any, owner: np.ndarray, process_count: int) -> Any:
   for p in np.unique(owner):
     rank[owner == p] = np.arange(np.sum(owner == p))
   return jax.tree_util.tree_map(lambda g: np.asarray(g)[owner, rank], gathered)
+
+
+def gather_rows(held: np.ndarray, local: LocalClients) -> np.ndarray:
+  """Every client's rows of a per-row array, on every process, from the rows each process holds.
+
+  Args:
+    held: [Σ_{lo<=c<hi} n_c, ...], one row per row of `local.x` (their features, say).
+    local: this process's `LocalClients`.
+  Returns:
+    [Σ_c n_c, ...] in the whole federation's row order (client by client, FedData's flat
+    layout), equal on every process: one `exchange`, rows moved and never summed.
+  """
+  n = np.asarray(local.n, np.int64)
+  owner = np.repeat(owners(np.arange(len(n)), len(n), local.process_count), n)
+  return exchange(held, owner, local.process_count)
 
 
 def participant_data(local: LocalClients, ids: np.ndarray) -> FedData:

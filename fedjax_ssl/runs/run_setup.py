@@ -79,7 +79,9 @@ class Run:
     config's changes against the workdir's config.json ({} when none or new); host: the numerics
     host the run started on (`numerics.numerics_host`), recorded in strategy.json; initial_state:
     builds the round-0 state (`InitialState`); client_splits: with config.per_client_eval, each
-    client's held-out test rows (`evaluation.client_test_splits`), else None.
+    client's held-out test rows (`evaluation.client_test_splits`), else None; train_features:
+    under placement 'divided' the training split's features from the rows this process holds
+    (`TrainFeatures`), else None (every process embeds dataset.train_x).
   """
   config: ml_collections.ConfigDict
   rundir: RunDir
@@ -98,6 +100,71 @@ class Run:
   host: dict
   initial_state: InitialState
   client_splits: Optional[list]
+  train_features: Optional['TrainFeatures'] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFeatures:
+  """Under placement 'divided': the training split's features [N, d] on every process, each
+  process embedding only the rows it holds (its clients' rows, and the public set, which every
+  process holds) and one gather (`placement.gather_rows`) bringing the others'. The rows a
+  process embeds are the same bytes as the whole split's, so the features and every metric equal
+  a single process's (the extraction of a row does not depend on its batch on the CPUs checked:
+  docs/notes/engine.md#eng-92).
+
+  Attributes:
+    local: this process's `placement.LocalClients`.
+    dataset: the run's Dataset without its training images (its mean / std normalise the rows).
+    rows: int64 [Σ n]: the training-split row of each federation row (client by client).
+    public_idx: int64 [L]: the training-split rows of the public set.
+  """
+  local: placement.LocalClients
+  dataset: Dataset
+  rows: np.ndarray
+  public_idx: np.ndarray
+
+  @classmethod
+  def build(cls, local: placement.LocalClients, dataset: Dataset, info: dict
+            ) -> Optional['TrainFeatures']:
+    """None when the clients do not train on the training split (unlabelled images) or some of
+    its rows are in no client and not public: then every process keeps and embeds the split."""
+    if dataset.unlabeled_x is not None:
+      return None
+    rows = np.concatenate([np.asarray(i, np.int64) for i in info['indices']])
+    public_idx = np.asarray(info['public_idx'], np.int64)
+    covered = np.zeros(len(dataset.train_y), np.int64)
+    np.add.at(covered, np.concatenate([rows, public_idx]), 1)
+    if not np.all(covered == 1):
+      return None
+    return cls(local=local, dataset=_no_train_rows(dataset), rows=rows, public_idx=public_idx)
+
+  def __call__(self, algo: Algorithm, variables: Any) -> np.ndarray:
+    """[N, d] float: row i the features of dataset.train_x[i], equal on every process."""
+    embed = lambda x: np.asarray(evaluation.encoder_features(algo, variables, False, x,
+                                                             self.dataset))
+    fed = placement.gather_rows(embed(self.local.x), self.local)
+    out = np.empty((len(self.dataset.train_y),) + fed.shape[1:], fed.dtype)
+    out[self.rows] = fed
+    if len(self.public_idx):
+      out[self.public_idx] = embed(self.local.public_x)
+    return out
+
+
+def _no_train_rows(dataset: Dataset) -> Dataset:
+  """`dataset` with a training split of no images (a new empty array: a slice would keep the
+  whole split alive); labels, test split and statistics kept."""
+  return dataclasses.replace(dataset, train_x=np.empty((0,) + dataset.train_x.shape[1:],
+                                                       dataset.train_x.dtype))
+
+
+def drop_train_rows(run: Run) -> Run:
+  """Under a divided evaluation (`run.train_features`), the run without the training images this
+  process does not hold, once the references (the raw-pixel row reads every image) are done: the
+  process's resident client data is then its block. Fine-tuning reads its labelled subsets from
+  the split, so with config.finetune the split stays."""
+  if run.train_features is None or run.config.finetune != 'none':
+    return run
+  return dataclasses.replace(run, dataset=_no_train_rows(run.dataset))
 
 
 def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialState
@@ -233,8 +300,10 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   init_key, run_key = experiment.run_keys(config)
   initial_state = InitialState(config, algo, init_key)
   whole = fed_data  # the whole federation's shapes (message sizes, the strategy's program)
+  train_features = None
   if config.placement == 'divided':
     fed_data = _divide(config, algo, fed_data, initial_state)
+    train_features = TrainFeatures.build(fed_data, dataset, info)
   else:
     fed_data = whole = strategies.replicate(fed_data)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps
@@ -258,7 +327,8 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   return Run(config=config, rundir=rundir, console=console, dataset=dataset, fed_data=fed_data,
              algo=algo, plan=plan, round_cfg=round_cfg, init_key=init_key, run_key=run_key,
              choice=choice, round_step=round_step, per_participant=per_participant,
-             changes=changes, host=host, initial_state=initial_state, client_splits=splits), state
+             changes=changes, host=host, initial_state=initial_state, client_splits=splits,
+             train_features=train_features), state
 
 
 def _changes(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, allow_config_change: bool,

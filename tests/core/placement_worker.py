@@ -3,7 +3,8 @@ tests.core.placement_worker OUT PLACEMENT NUM_PROCESSES PROCESS_ID [COORDINATOR]
 
 Runs two rounds of FedEMA (host-resident client state) on the equivalence tests' six clients, four
 a round, under strategy 'shard' over every process's devices, and writes what this process holds
-(client rows lo .. hi - 1, the server, the metrics) to OUT as .npz."""
+(client rows lo .. hi - 1, the server, the metrics, every client's rows gathered back) to OUT as
+.npz."""
 import dataclasses
 import sys
 
@@ -38,6 +39,10 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
     tree = jax.device_get({'clients': state.clients, 'server': state.server, 'metrics': metrics})
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
       rows[f'{r}{jax.tree_util.keystr(path)}'] = np.asarray(leaf)
+  # Every client's rows back on every process (the divided evaluation's gather of features): the
+  # held rows' per-row sums stand for their features.
+  held = np.asarray(jax.device_get(data.x), np.float32).reshape(len(data.x), -1).sum(axis=1)
+  rows['gathered'] = (placement.gather_rows(held, data) if placement_ == 'divided' else held)
   np.savez(out, lo=lo, hi=hi, **rows)
   if num_processes > 1:
     jax.distributed.shutdown()

@@ -121,7 +121,8 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process(tmp_path)
   """FedEMA with host state, two rounds of 4 of 6 clients over a 2-device mesh: one process holding
   everything (replicated) against two processes holding clients 0-2 and 3-5 (divided), whose
   participants cross processes by `placement.exchange`. The mesh has two devices either way, so
-  the one cross-device sum adds the same two terms: bit for bit."""
+  the one cross-device sum adds the same two terms: bit for bit. `placement.gather_rows` brings
+  every client's rows back to both processes, in the whole federation's order."""
   (one,) = _workers(tmp_path, 'replicated', 1, 2)
   two = _workers(tmp_path, 'divided', 2, 1)
   assert [(int(t['lo']), int(t['hi'])) for t in two] == [(0, 3), (3, 6)]

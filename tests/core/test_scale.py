@@ -230,7 +230,8 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   one device each; each saves its block of the checkpoint. The metrics equal
   a one-process run's to the float rounding of the cross-device sums (2 devices against the
   session's 4: the server average adds its terms in another order, ~1e-7 relative). Then one
-  process resumes the two processes' checkpoints, cut for it: round 2's with process 1's block
+  process resumes the two processes' checkpoints, cut for it (after both resumed from the final
+  one, each redoing the divided evaluation): round 2's with process 1's block
   taken from round 1's is unreadable (one warning line, no orbax residue on the console) and moved
   aside, and round 1's redoes round 2. Last, a whole checkpoint of round 1 copied as round 2's
   reads back cleanly and is refused by the round each client's row was saved at."""
@@ -242,6 +243,12 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
   _assert_records_close(got, want)
+  # The same command again resumes from the final checkpoint: the evaluation, which gathers the
+  # training features from both processes, is redone by both (not by process 0 alone: a hang).
+  final = json.loads((tmp_path / 'two' / 'results.json').read_text())['final']
+  out = _two_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
+  assert 'resumed from the checkpoint of round 2' in out
+  assert json.loads((tmp_path / 'two' / 'results.json').read_text())['final'] == final
   ckpts = tmp_path / 'two' / 'checkpoints'
   block = pathlib.Path('state') / 'ocdbt.process_1'
   shutil.rmtree(ckpts / '2' / block)
