@@ -57,6 +57,7 @@ PREPARED_KEYS = ('train_x', 'train_y', 'test_x', 'test_y', 'mean', 'std', 'num_c
 FEATURE_KEYS = ('trained_train', 'trained_test', 'random_train', 'random_test', 'losses_json',
                 'settings_json')
 METHODS = ('ssd', 'fedalignuniform')
+WEIGHTS = ('batches', 'images')   # how their server weighs a client: theirs, ours
 # The coefficients of the authors' scripts (scripts/run_FedAlignUniformSubspace.sh: subspace 1.0,
 # distill 0.1, KL; configs/FedAlignUniformSubspace/default.yaml: weight range [10, 10], normalised,
 # detached target, mode fixed) and of FedAlignUniform (configs/FedAlignUniform/default.yaml: both
@@ -280,17 +281,21 @@ def encoder_features(encoder, images, mean, std, batch_size: int = 1000) -> np.n
 def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: int, seed: int,
           lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 1e-4,
           batch_size: int = 128, local_epochs: int = 1, subspace_weight_dim: Optional[int] = None,
-          subspace_weight: float = 10.0, drop_last: Optional[bool] = None, threads: int = 1
-          ) -> Dict[str, np.ndarray]:
+          subspace_weight: float = 10.0, drop_last: Optional[bool] = None, threads: int = 1,
+          weights: str = 'batches') -> Dict[str, np.ndarray]:
   """`FEATURE_KEYS` of `method` trained by the authors' classes on the prepared partition.
 
   subspace_weight_dim None: floor(84 / K) for K clients (their script's n_dimensions // n_clients).
   drop_last None: their loader's rule, drop the last partial batch at K <= 10 and keep it above.
+  weights: 'batches', theirs (the server weighs a client by its batch count), or 'images' (by
+  its image count n_k, ours), set by wrapping their server module's `model_average`.
   The round's participants: their `select_clients` (all at K = clients_per_round, otherwise
   `random.sample` of clients_per_round), the i-th of them given their i-th subspace.
   """
   if method not in METHODS:
     raise ValueError(f'method = {method!r} is invalid: must be one of {METHODS}')
+  if weights not in WEIGHTS:
+    raise ValueError(f'weights = {weights!r} is invalid: must be one of {WEIGHTS}')
   authors_code = pathlib.Path(authors_code)
   if not (authors_code / 'methods' / 'fedalignuniform' / 'server.py').is_file():
     raise ValueError(f'--authors_code = {str(authors_code)!r} is invalid: no '
@@ -339,7 +344,12 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
       return res
 
   class Server(FedAlignUniformServer):
-    """Theirs, without the per-round feature pass and kNN (features are taken after the run)."""
+    """Theirs, without the per-round feature pass and kNN (features are taken after the run);
+    it keeps the round's participants for `weights='images'`."""
+
+    def select_clients(self):
+      self.selected = super().select_clients()
+      return self.selected
 
     def gen_feat(self):
       self.train_encoder_feature_norm = self.train_projector_feature_norm = [0.0]
@@ -372,11 +382,27 @@ def train(data: pathlib.Path, authors_code: pathlib.Path, method: str, rounds: i
     raise ValueError(f'subspace_weight_dim = {subspace_weight_dim} is invalid: {len(clients)} '
                      f'clients need {len(clients) * subspace_weight_dim} > {server.dim} dimensions')
   start = time.time()
-  server.fit()
+  module = sys.modules[FedAlignUniformServer.__module__]
+  average, used = module.model_average, []
+
+  def weighted(models, batch_counts, *args, **kwargs):
+    """Their average (encoder, then projector, each round) with the weights `weights` names,
+    recorded."""
+    w = ([len(c.aug_train_loader.images) for c in server.selected] if weights == 'images'
+         else list(batch_counts))
+    used.append(w)
+    return average(models, w, *args, **kwargs)
+
+  module.model_average = weighted
+  try:
+    server.fit()
+  finally:
+    module.model_average = average
   settings_out = dict(method=method, rounds=rounds, seed=seed, lr=lr, lr_schedule='their cosine',
                       momentum=momentum, weight_decay=weight_decay, batch_size=batch_size,
                       local_epochs=local_epochs, subspace_weight_dim=subspace_weight_dim,
                       subspace_weight=subspace_weight, drop_last=drop_last, threads=threads,
+                      weights=weights, round_weights=used[::2],
                       torch=torch.__version__, train_seconds=round(time.time() - start, 1),
                       client_sizes=[len(i) for i in client_index_lists(prepared)],
                       **settings)
@@ -397,7 +423,8 @@ def _is_default(settings: Dict[str, Any]) -> bool:
   """The authors' own setting: their weight decay and their last-batch rule (drop at K <= 10)."""
   k = len(settings['client_sizes'])
   return (settings['weight_decay'] == AUTHORS_WEIGHT_DECAY
-          and settings.get('drop_last', k <= 10) == (k <= 10))
+          and settings.get('drop_last', k <= 10) == (k <= 10)
+          and settings.get('weights', 'batches') == 'batches')
 
 
 def our_run(runs: pathlib.Path, method: str, num_clients: int, seed: int) -> Optional[Dict]:
@@ -425,7 +452,9 @@ def _numbers(results, ours) -> List[str]:
     k = len(st['client_sizes'])
     # Their loader's rule (drop the last partial batch at K <= 10) overridden: said in the column.
     rule = st.get('drop_last', k <= 10) == (k <= 10)
-    trainer = 'authors (torch)' + ('' if rule else ', last batch kept' if k <= 10 else ', dropped')
+    trainer = ('authors (torch)' + ('' if rule else ', last batch kept' if k <= 10 else
+                                    ', dropped')
+               + (', image weights' if st.get('weights', 'batches') == 'images' else ''))
     rows = [(trainer, st['weight_decay'], res['trained'], res['random_init'])]
     mine = ours.get((st['method'], k, st['seed']))
     if mine is not None and (st['method'], k, st['seed']) not in seen:
@@ -573,6 +602,8 @@ def parser() -> argparse.ArgumentParser:
   tr.add_argument('--keep_last', action='store_true', default=None,
                   help='keep the last partial batch (default: their rule, kept above 10 clients)')
   tr.add_argument('--threads', type=int, default=1)
+  tr.add_argument('--weights', choices=WEIGHTS, default='batches',
+                  help="a client's weight in their average: its batch count (theirs) or images")
   ev = sub.add_parser('evaluate', help='our protocol on the features (project venv)')
   ev.add_argument('--data', required=True, type=pathlib.Path)
   ev.add_argument('--features', required=True, type=pathlib.Path)
@@ -607,7 +638,8 @@ def main(argv: Sequence[str]) -> int:
     seed = args.seed if args.seed is not None else int(np.load(args.data)['seed'])
     out = train(args.data, args.authors_code, args.method, args.rounds, seed, lr=args.lr,
                 weight_decay=args.weight_decay, subspace_weight_dim=args.subspace_weight_dim,
-                drop_last=None if args.keep_last is None else False, threads=args.threads)
+                drop_last=None if args.keep_last is None else False, threads=args.threads,
+                weights=args.weights)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **out)
     print(out['settings_json'])

@@ -182,9 +182,12 @@ def test_train_refuses_a_tree_that_is_not_theirs(tmp_path):
     authors.train(tmp_path / 'data.npz', tmp_path, 'simclr', 1, 0)
 
 
-@pytest.mark.skipif(not (os.environ.get('SSD_TORCH_PYTHON') and os.environ.get('SSD_AUTHORS_CODE')),
-                    reason='needs SSD_TORCH_PYTHON (an interpreter with torch) and '
-                           'SSD_AUTHORS_CODE (the github:hc-fang/ssd tree); CI has neither')
+_TORCH = bool(os.environ.get('SSD_TORCH_PYTHON') and os.environ.get('SSD_AUTHORS_CODE'))
+_TORCH_REASON = ('needs SSD_TORCH_PYTHON (an interpreter with torch) and SSD_AUTHORS_CODE (the '
+                 'github:hc-fang/ssd tree); CI has neither')
+
+
+@pytest.mark.skipif(not _TORCH, reason=_TORCH_REASON)
 @pytest.mark.parametrize('method', authors.METHODS)
 def test_train_drives_the_authors_classes(tmp_path, method):
   arrays = authors.prepare_arrays(_synthetic_config(train_size=600, num_clients=3,
@@ -209,6 +212,9 @@ def test_train_drives_the_authors_classes(tmp_path, method):
   assert [(r['round'], r['client']) for r in losses] == [(r, c) for r in range(2) for c in range(3)]
   assert [r['batches'] for r in losses[:3]] == [int(s) // 128 for s in sizes]
   assert [r['lr'] for r in losses[::3]] == pytest.approx([0.1, 0.05])
+  # Their server weighs each client by its batch count.
+  settings = json.loads(str(f['settings_json']))
+  assert settings['round_weights'] == [[int(s) // 128 for s in sizes]] * 2
   ssd = method == 'ssd'
   for r in losses:
     assert np.isfinite(r['train_loss'])
@@ -217,6 +223,26 @@ def test_train_drives_the_authors_classes(tmp_path, method):
     extra = r['subspace_loss'] + 0.1 * r['distillation_loss'] if ssd else 0.0
     assert r['train_loss'] == pytest.approx(parts + extra, abs=1e-5)
     assert (r['subspace_loss'] is not None) == ssd
+
+
+@pytest.mark.skipif(not _TORCH, reason=_TORCH_REASON)
+def test_image_weights_replace_their_batch_counts(tmp_path):
+  arrays = authors.prepare_arrays(_synthetic_config(train_size=600, num_clients=3,
+                                                    clients_per_round=3, alpha=100.0))
+  np.savez(tmp_path / 'data.npz', **arrays)
+  cmd = [os.environ['SSD_TORCH_PYTHON'], '-m', 'experiments.ssd.authors', 'train', '--data',
+         str(tmp_path / 'data.npz'), '--authors_code', os.environ['SSD_AUTHORS_CODE'],
+         '--method', 'fedalignuniform', '--rounds', '2', '--weights', 'images', '--keep_last',
+         '--out', str(tmp_path / 'f.npz')]
+  env = dict(subprocess_env.binary_env(), PYTHONPATH=str(REPO))
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  settings = json.loads(str(np.load(tmp_path / 'f.npz')['settings_json']))
+  sizes = [int(s) for s in np.diff(arrays['client_offsets'])]
+  assert settings['weights'] == 'images' and settings['round_weights'] == [sizes] * 2
+  results = [{'settings': settings, 'trained': {}, 'random_init': {}}]
+  assert _rows(authors.table(results), 'Numbers')[0].startswith(
+      '| fedalignuniform | 3 | authors (torch), last batch kept, image weights |')
 
 
 _TORCH_VIEWS_CHECK = '''
