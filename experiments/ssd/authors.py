@@ -420,7 +420,8 @@ COLUMN_NAMES = {10: 'silo 10', 50: 'device 50'}
 
 
 def _is_default(settings: Dict[str, Any]) -> bool:
-  """The authors' own setting: their weight decay and their last-batch rule (drop at K <= 10)."""
+  """The authors' own setting: their weight decay, their last-batch rule (drop at K <= 10) and
+  their batch-count weights."""
   k = len(settings['client_sizes'])
   return (settings['weight_decay'] == AUTHORS_WEIGHT_DECAY
           and settings.get('drop_last', k <= 10) == (k <= 10)
@@ -511,6 +512,9 @@ def _verdicts(results, ours) -> List[str]:
       return {'effect': math.nan, 'spread': math.nan, 'verdict': 'n/a'}
     return tables.verdict(hi, lo)
 
+  # 'effect (probe / kNN) | twice the spread' cells of one row.
+  sizes = lambda found: (' / '.join(f'{f["effect"]:+.2f}' for f in found) + ' | '
+                         + ' / '.join(f'{2 * f["spread"]:.2f}' for f in found))
   both = ['| column | method | authors | ours | ours − authors (probe / kNN) | twice the spread '
           '| seeds | verdict |', '|---|---|---|---|---|---|---|---|']
   claims = ['| claim | trainer | column | effect (probe / kNN) | twice the spread | seeds | '
@@ -528,9 +532,7 @@ def _verdicts(results, ours) -> List[str]:
                      values(('authors', method, k), m, seeds)) for m in VERDICT_METRICS]
       show = lambda key: ' / '.join(_ms(values(key, m, seeds)) for m in VERDICT_METRICS)
       both.append(f'| {column} | {method} | {show(("authors", method, k))} | '
-                  f'{show(("ours", method, k))} | '
-                  + ' / '.join(f'{f["effect"]:+.2f}' for f in found) + ' | '
-                  + ' / '.join(f'{2 * f["spread"]:.2f}' for f in found) + f' | {len(seeds)} | '
+                  f'{show(("ours", method, k))} | {sizes(found)} | {len(seeds)} | '
                   + ' / '.join(word.get(f['verdict'], f['verdict']) for f in found) + ' |')
     for trainer in ('authors', 'ours'):
       hi, lo = per.get((trainer, 'ssd', k), {}), per.get((trainer, 'fedalignuniform', k), {})
@@ -539,10 +541,8 @@ def _verdicts(results, ours) -> List[str]:
         continue
       found = [judge(values((trainer, 'ssd', k), m, seeds),
                      values((trainer, 'fedalignuniform', k), m, seeds)) for m in VERDICT_METRICS]
-      claims.append(f'| SSD > FedAlignUniform | {trainer} | {column} | '
-                    + ' / '.join(f'{f["effect"]:+.2f}' for f in found) + ' | '
-                    + ' / '.join(f'{2 * f["spread"]:.2f}' for f in found) + f' | {len(seeds)} | '
-                    + ' / '.join(f['verdict'] for f in found) + ' |')
+      claims.append(f'| SSD > FedAlignUniform | {trainer} | {column} | {sizes(found)} | '
+                    f'{len(seeds)} | ' + ' / '.join(f['verdict'] for f in found) + ' |')
   return both + [''] + claims
 
 
