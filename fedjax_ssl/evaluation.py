@@ -23,7 +23,7 @@ from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data import augment, partition
-from fedjax_ssl.data.types import Dataset, FedData
+from fedjax_ssl.data.types import Dataset, FedData, Rows
 from fedjax_ssl.eval import features as fs_features
 from fedjax_ssl.eval import finetune as fs_finetune
 from fedjax_ssl.eval import knn as fs_knn
@@ -296,9 +296,10 @@ def raw_pixel_key(config: ml_collections.ConfigDict, dataset: Dataset) -> str:
   not in the key, so a cache written before a change to them is stale and must be deleted."""
   h = hashlib.sha256(f'{dataset.num_classes}'.encode())
   for a in (dataset.train_x, dataset.train_y, dataset.test_x, dataset.test_y):
-    a = np.ascontiguousarray(a)
     h.update(f'{a.dtype.str}{a.shape}'.encode())
-    h.update(memoryview(a).cast('B'))
+    # Rows left in their source stream through the digest: the same bytes, none kept.
+    for chunk in a.chunks(4096) if isinstance(a, Rows) else (a,):
+      h.update(memoryview(np.ascontiguousarray(chunk)).cast('B'))
   keys = _RAW_PIXEL_KEYS + (_RAW_PIXEL_FINETUNE_KEYS if config.finetune != 'none' else ())
   values = {k: config[k] for k in keys}
   if config.finetune != 'none':
@@ -349,27 +350,21 @@ MIN_CLIENT_TEST = 10
 _BANK_BATCH = 256   # feature batch of a client's own images (small clients pad less than 1000)
 
 
-def client_histogram(fed_data: FedData, num_classes: int) -> np.ndarray:
-  """int64 [C, K]: each client's training class counts, read from its rows of `fed_data`."""
-  y = np.asarray(fed_data.y)
-  return np.stack([np.bincount(y[o:o + n], minlength=num_classes)
-                   for o, n in zip(np.asarray(fed_data.offsets), np.asarray(fed_data.n))])
-
-
 def client_test_splits(config: ml_collections.ConfigDict, dataset: Dataset,
-                       fed_data: FedData) -> List[np.ndarray]:
+                       hist: np.ndarray) -> List[np.ndarray]:
   """Each client's held-out split of the test set (`partition.held_out_splits`: the test images of
   every class shared out like the client's training images, drawn from config.seed), refused in one
   line (cv.ConfigError) when a client gets fewer than MIN_CLIENT_TEST images or the clients' images
   have no labels. Cheap (numpy over the labels): called before training.
 
+  Args:
+    hist: int [C, K], each client's training images per class (`partition.draw_rows`' histogram).
   Returns:
     C sorted int64 index arrays into dataset.test_x, pairwise disjoint.
   """
   if dataset.unlabeled_x is not None:
     raise cv.ConfigError(f'config.per_client_eval = True is invalid for {dataset.name}: its clients '
                          'train on unlabelled images, so no client has labels to score with')
-  hist = client_histogram(fed_data, dataset.num_classes)
   splits = partition.held_out_splits(dataset.test_y, hist, seed=config.seed)
   sizes = np.array([s.size for s in splits])
   small = np.flatnonzero(sizes < MIN_CLIENT_TEST)

@@ -20,6 +20,7 @@ one module carries a run from start to end.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Dict, Optional, Tuple
@@ -49,16 +50,19 @@ def run_keys(config: ml_collections.ConfigDict) -> Tuple[jax.Array, jax.Array]:
   return rng.run_keys(config.seed)
 
 
-def load_data(config: ml_collections.ConfigDict) -> Dataset:
+def load_data(config: ml_collections.ConfigDict, rows_on_demand: bool = False) -> Dataset:
   """The configured dataset, in host memory (the first `train_size` training examples if > 0, as
-  the representation-sharing code's `load_data(reduced=f)`; the test split stays whole)."""
+  the representation-sharing code's `load_data(reduced=f)`; the test split stays whole). With
+  `rows_on_demand` the training images stay in their files where the source reads by row
+  (`sources.load_dataset`): placement 'divided' reads each process's rows only."""
   kw = {}
   if config.dataset in sources.FOLDER_NAMES:
     kw['image_size'] = config.image_size
   if config.dataset == 'folder':
     kw['test_fraction'] = config.test_fraction
   ds = sources.load_dataset(config.dataset, source=config.data_source,
-                            data_dir=config.data_dir or None, seed=config.seed, **kw)
+                            data_dir=config.data_dir or None, seed=config.seed,
+                            rows_on_demand=rows_on_demand, **kw)
   if config.train_size:
     if config.train_size > len(ds.train_y):
       raise cv.ConfigError(f'config.train_size = {config.train_size} is invalid: the {ds.name} '
@@ -72,24 +76,44 @@ def load_data(config: ml_collections.ConfigDict) -> Dataset:
   return ds
 
 
-def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset, on_host: bool = False
-                   ) -> Tuple[FedData, Dict]:
-  """Partitions `dataset` into the on-device client layout (numpy arrays with `on_host`); the dict
-  has the class histogram."""
+def _partition_kwargs(config: ml_collections.ConfigDict) -> Dict:
   kw = {}
   if config.partition == 'dirichlet':
     kw['alpha'] = config.alpha
   elif config.partition == 'classes':
     kw['classes_per_client'] = config.classes_per_client
+  return kw
+
+
+@contextlib.contextmanager
+def _partition_errors(config: ml_collections.ConfigDict, dataset: Dataset):
+  """A partition that cannot be drawn: one line (cv.ConfigError), before any compute."""
   try:
-    return partition.build_fed_data(dataset, config.num_clients, config.partition,
-                                    seed=config.seed, public_size=config.public_size,
-                                    on_host=on_host, **kw)
-  except ValueError as e:  # a partition that cannot be drawn: one line, before any compute
+    yield
+  except ValueError as e:
+    alpha = config.partition == 'dirichlet'
     raise cv.ConfigError(f'config.num_clients = {config.num_clients} with config.partition = '
-                         f'{config.partition!r}' + (f' (alpha = {config.alpha})' if 'alpha' in kw
+                         f'{config.partition!r}' + (f' (alpha = {config.alpha})' if alpha
                                                     else '') + f' cannot be drawn on '
                          f'{dataset.name}: {e}') from None
+
+
+def build_fed_data(config: ml_collections.ConfigDict, dataset: Dataset, on_host: bool = False
+                   ) -> Tuple[FedData, Dict]:
+  """Partitions `dataset` into the on-device client layout (numpy arrays with `on_host`); the dict
+  has the class histogram."""
+  with _partition_errors(config, dataset):
+    return partition.build_fed_data(dataset, config.num_clients, config.partition,
+                                    seed=config.seed, public_size=config.public_size,
+                                    on_host=on_host, **_partition_kwargs(config))
+
+
+def draw_rows(config: ml_collections.ConfigDict, dataset: Dataset) -> Dict:
+  """`build_fed_data`'s dict alone (`partition.draw_rows`: the rows of each client and of the
+  public set, drawn from the labels), for a labelled training split; no image is read."""
+  with _partition_errors(config, dataset):
+    return partition.draw_rows(dataset, config.num_clients, config.partition, seed=config.seed,
+                               public_size=config.public_size, **_partition_kwargs(config))
 
 
 def build_algorithm(config: ml_collections.ConfigDict, dataset: Dataset,

@@ -57,9 +57,12 @@ def _reference_counts(test_y, hist):
 def test_held_out_splits_follow_each_clients_partition_and_are_disjoint_and_seeded():
   config = _config()
   dataset, fed, info = _federation(config)
-  splits = evaluation.client_test_splits(config, dataset, fed)
+  splits = evaluation.client_test_splits(config, dataset, info['histogram'])
   hist = info['histogram']
-  np.testing.assert_array_equal(evaluation.client_histogram(fed, dataset.num_classes), hist)
+  y, offsets = np.asarray(fed.y), np.asarray(fed.offsets)
+  np.testing.assert_array_equal(   # the partition's counts are those of each client's rows
+      [np.bincount(y[o:o + n], minlength=dataset.num_classes) for o, n in zip(offsets, fed.n)],
+      hist)
   together = np.concatenate(splits)
   assert np.unique(together).size == together.size   # pairwise disjoint
   assert together.min() >= 0 and together.max() < len(dataset.test_y)
@@ -75,7 +78,7 @@ def test_held_out_splits_follow_each_clients_partition_and_are_disjoint_and_seed
     o, n = int(np.asarray(fed.offsets)[c]), int(np.asarray(fed.n)[c])
     assert not {digest(i) for i in x[o:o + n]} & {digest(i) for i in dataset.test_x[s]}
   # Deterministic per seed; another seed draws other images with the same counts.
-  again = evaluation.client_test_splits(config, dataset, fed)
+  again = evaluation.client_test_splits(config, dataset, info['histogram'])
   assert all(np.array_equal(a, b) for a, b in zip(splits, again))
   other = partition.held_out_splits(dataset.test_y, hist, seed=config.seed + 1)
   assert any(not np.array_equal(a, b) for a, b in zip(splits, other))
@@ -86,7 +89,8 @@ def test_held_out_splits_follow_each_clients_partition_and_are_disjoint_and_seed
 def test_classes_partition_gives_each_client_only_its_classes():
   config = _config(partition='classes', classes_per_client=2, alpha=0.5)
   dataset, fed, info = _federation(config)
-  for s, h in zip(evaluation.client_test_splits(config, dataset, fed), info['histogram']):
+  hist = info["histogram"]
+  for s, h in zip(evaluation.client_test_splits(config, dataset, hist), hist):
     assert set(np.unique(dataset.test_y[s])) == set(np.flatnonzero(h))
 
 
@@ -106,8 +110,8 @@ def _knn_loop(bank_f, bank_y, query_f, num_classes, k, temperature):
 @pytest.mark.parametrize('algorithm', ['independent', 'fedavg'])
 def test_one_clients_scores_equal_a_direct_computation(algorithm):
   config = _config(algorithm=algorithm, ssl_method='simclr')
-  dataset, fed, _ = _federation(config)
-  splits = evaluation.client_test_splits(config, dataset, fed)
+  dataset, fed, info = _federation(config)
+  splits = evaluation.client_test_splits(config, dataset, info['histogram'])
   algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed.n))
   state = rd.init_state(algo, experiment.run_keys(config)[0], config.num_clients)
   entries, summary = evaluation.per_client_results(config, algo, state, dataset, fed, splits)

@@ -3,9 +3,11 @@ experiments.benchmark.placement_worker '<json>'` with keys algorithm, ssl_method
 num_clients, participants, rounds, processes, process_id, coordinator.
 
 It loads Fashion-MNIST, partitions it over C clients (IID), keeps what its placement holds (all of
-it under 'replicated'; its block of clients under 'divided'), initialises the client state in host
+it under 'replicated'; under 'divided' its block of clients, reading only their rows from the IDX
+file as a run does: `types.Rows`, `placement.divide_rows`), initialises the client state in host
 memory, runs one warm-up round and `rounds` timed ones, and prints one JSON line: the rows and
-client states it holds, the process's resident memory (VmRSS) and peak (VmHWM) from
+client states it holds, the peak of the load (numpy's allocations traced by `tracemalloc` from the
+load to the held block), the process's resident memory (VmRSS) and peak (VmHWM) from
 /proc/self/status, and the seconds per round and per participants' exchange.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+import tracemalloc
 
 import jax
 import numpy as np
@@ -50,13 +53,20 @@ def main(a: dict) -> dict:
   config = _config(a)
   c, pid, count = config.num_clients, jax.process_index(), jax.process_count()
   rss_start = _status_mb('VmRSS')
-  dataset = experiment.load_data(config)
-  fed, _ = experiment.build_fed_data(config, dataset)
-  algo = experiment.build_algorithm(config, dataset)
   divided = config.placement == 'divided'
+  tracemalloc.start()
+  dataset = experiment.load_data(config, rows_on_demand=divided)
+  if divided:
+    info = experiment.draw_rows(config, dataset)
+    data = placement.divide_rows(dataset.train_x, dataset.train_y, info['indices'],
+                                 info['public_idx'], pid, count)
+  else:
+    data, _ = experiment.build_fed_data(config, dataset)
+  load_peak = tracemalloc.get_traced_memory()[1] / 2**20
+  tracemalloc.stop()
+  algo = experiment.build_algorithm(config, dataset)
   lo, hi = placement.owned_range(c, pid, count) if divided else (0, c)
-  data = placement.divide(fed, pid, count) if divided else fed
-  del fed, dataset  # under 'divided' only this process's block stays
+  del dataset  # under 'divided' only this process's block stays
   gc.collect()
   state = rd.init_state(algo, jax.random.PRNGKey(0), c, client_state='host',
                         held=(lo, hi) if divided else None)
@@ -81,7 +91,8 @@ def main(a: dict) -> dict:
   out = {'algorithm': f"{a['algorithm']}/{a['ssl_method']}", 'placement': config.placement,
          'processes': count, 'process': pid, 'clients': c, 'held_clients': hi - lo,
          'held_data_mb': _mb(held_data), 'held_client_state_mb': _mb(state.clients),
-         'rss_mb': _status_mb('VmRSS'), 'peak_rss_mb': _status_mb('VmHWM'),
+         'load_peak_mb': load_peak, 'rss_mb': _status_mb('VmRSS'),
+         'peak_rss_mb': _status_mb('VmHWM'),
          'rss_at_start_mb': rss_start, 'seconds_per_round': statistics.median(times),
          'exchange_seconds': statistics.median(exchanges) if exchanges else 0.0}
   if count > 1:

@@ -170,8 +170,8 @@ def _placement_group(args: dict, processes: int) -> List[Dict]:
 
 def placement_rows(s: Settings) -> List[Dict]:
   """Per algorithm (stateful FedEMA-BYOL, stateless FedSimCLR), client count and process count P:
-  each process's held clients, rows and client-state MB, resident and peak memory, and seconds per
-  round and per exchange; 'replicated' on one process first, then 'divided' on each P."""
+  each process's held clients, rows and client-state MB, the load's peak, resident and peak memory,
+  and seconds per round and per exchange; 'replicated' on one process first, then 'divided' on each P."""
   info = {'backend': jax.default_backend(), 'setting': 'scale', 'jax': jax.__version__,
           'processes': list(s.processes), 'repeats': s.repeats, 'partition': 'iid',
           'cpu_affinity': sorted(os.sched_getaffinity(0))}
@@ -186,7 +186,8 @@ def placement_rows(s: Settings) -> List[Dict]:
         for row in _placement_group(dict(args, placement=placement_), processes):
           print(f'C={num_clients:5d} {row["algorithm"]:14s} {placement_:10s} P={processes} '
                 f'process {row["process"]}: holds {row["held_clients"]} clients, data '
-                f'{row["held_data_mb"]:.1f} MB, client state {row["held_client_state_mb"]:.1f} MB, '
+                f'{row["held_data_mb"]:.1f} MB (load peak {row["load_peak_mb"]:.1f} MB), client '
+                f'state {row["held_client_state_mb"]:.1f} MB, '
                 f'RSS {row["rss_mb"]:.0f} MB (peak {row["peak_rss_mb"]:.0f}), '
                 f'{row["seconds_per_round"]:.2f} s/round, exchange {row["exchange_seconds"]:.3f} s',
                 flush=True)

@@ -106,6 +106,42 @@ def divide(fed: FedData, process_index: int, process_count: int) -> LocalClients
                       process_count=process_count)
 
 
+def divide_rows(train_x, train_y: np.ndarray, indices, public_idx: np.ndarray,
+                process_index: int, process_count: int) -> LocalClients:
+  """The share process `process_index` holds, read from the training split: only its clients'
+  rows and the public set's are read (one read of `train_x`, a `types.Rows` left in its source or
+  an array). Equals `divide` of the whole federation built from the same rows.
+
+  Args:
+    train_x: uint8 [N, H, W, ch] (`Rows` or array); train_y: int [N].
+    indices: C int arrays, each client's rows of the split (`partition.draw_rows`).
+    public_idx: int [L], the public set's rows (every process holds them).
+  """
+  n = np.array([len(i) for i in indices], np.int32)
+  offsets = np.concatenate([[0], np.cumsum(n[:-1], dtype=np.int64)])
+  lo, hi = owned_range(len(n), process_index, process_count)
+  held = np.concatenate([np.asarray(i, np.int64) for i in indices[lo:hi]]
+                        + [np.asarray(public_idx, np.int64)])
+  rows = train_x[held]
+  x, public = rows[:len(held) - len(public_idx)], rows[len(held) - len(public_idx):]
+  return LocalClients(lo=lo, hi=hi, x=x, y=np.asarray(train_y)[held[:len(x)]].astype(np.int32),
+                      offsets=offsets[lo:hi] - offsets[lo], n=n, n_max=max(int(n.max()), 1),
+                      n_min=int(n.min()), public_x=public if len(public_idx) else None,
+                      process_count=process_count)
+
+
+def federation_shapes(local: LocalClients) -> FedData:
+  """The whole federation's `FedData` with its rows as `jax.ShapeDtypeStruct`s (sizes and offsets
+  real): what `round.message_bytes` traces, known on every process without the other blocks."""
+  rows = max(int(np.sum(local.n)), 1)
+  offsets = np.concatenate([[0], np.cumsum(local.n[:-1])]).astype(np.int32)
+  shape = lambda n, a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype)
+  return FedData(x=shape(rows, local.x), y=shape(rows, local.y), n=local.n, offsets=offsets,
+                 n_max=local.n_max, n_min=local.n_min,
+                 public_x=None if local.public_x is None else shape(len(local.public_x),
+                                                                    local.public_x))
+
+
 def exchange(held: Any, owner: np.ndarray, process_count: int) -> Any:
   """Every participant's rows on every process, from the rows their owners hold.
 

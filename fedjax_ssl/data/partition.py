@@ -280,6 +280,36 @@ def class_histogram(labels, parts, num_classes: int) -> np.ndarray:
   return np.stack([np.bincount(labels[p], minlength=num_classes) for p in parts]).astype(np.int64)
 
 
+def _check_scheme_kwargs(scheme_kw: Dict) -> None:
+  unknown = sorted(set(scheme_kw) - set(_SCHEME_KWARGS))
+  if unknown:
+    raise ValueError(f'unknown partition keyword(s) {unknown}; allowed: {list(_SCHEME_KWARGS)}')
+
+
+def draw_rows(dataset: Dataset, num_clients: int, scheme: str, *, seed: int,
+              public_size: int = 0, public_stratified: bool = False, **scheme_kw) -> Dict:
+  """Which training rows each client and the public set get, drawn from the labels alone (no
+  image is read: a `types.Rows` split stays in its source).
+
+  Args: as `build_fed_data`, for a labelled training split (dataset.unlabeled_x None).
+  Returns:
+    dict(histogram=int64 [C, num_classes], indices=list of C int64 arrays into train_x,
+    public_idx=int64 [L]).
+  """
+  _check_scheme_kwargs(scheme_kw)
+  num_train = dataset.train_y.shape[0]
+  _check_int('public_size', public_size, 0, num_train - 1)
+  validate_partition_args(num_train - public_size, dataset.num_classes, num_clients, scheme,
+                          **scheme_kw)
+  public_idx, remaining = carve_public(dataset.train_y, public_size, seed,
+                                       stratified=public_stratified)
+  parts = partition(dataset.train_y[remaining], num_clients, scheme, seed=seed,
+                    num_classes=dataset.num_classes, **scheme_kw)
+  indices = [remaining[p] for p in parts]
+  return dict(histogram=class_histogram(dataset.train_y, indices, dataset.num_classes),
+              indices=indices, public_idx=public_idx)
+
+
 def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int,
                    public_size: int = 0, public_stratified: bool = False, on_host: bool = False,
                    **scheme_kw) -> Tuple[FedData, Dict]:
@@ -297,31 +327,18 @@ def build_fed_data(dataset: Dataset, num_clients: int, scheme: str, *, seed: int
   Returns:
     fed_data: FedData in the flat layout (x uint8 [Σ n, H, W, ch], y int32 [Σ n], n and offsets
       int32 [C]), public_x uint8 [L, H, W, ch] or None.
-    info: dict(histogram=int64 [C, num_classes], indices=list of C int64 arrays into train_x,
-      public_idx=int64 [L]).
+    info: `draw_rows`' dict (histogram, indices into train_x, public_idx).
   """
-  unknown = sorted(set(scheme_kw) - set(_SCHEME_KWARGS))
-  if unknown:
-    raise ValueError(f'unknown partition keyword(s) {unknown}; allowed: {list(_SCHEME_KWARGS)}')
+  _check_scheme_kwargs(scheme_kw)
   if dataset.unlabeled_x is not None:
     return _build_unlabelled(dataset, num_clients, scheme, seed=seed, public_size=public_size,
                              on_host=on_host, **scheme_kw)
-  num_train = dataset.train_y.shape[0]
-  _check_int('public_size', public_size, 0, num_train - 1)
-  validate_partition_args(num_train - public_size, dataset.num_classes, num_clients, scheme,
-                          **scheme_kw)
-
-  public_idx, remaining = carve_public(dataset.train_y, public_size, seed,
-                                       stratified=public_stratified)
-  parts = partition(dataset.train_y[remaining], num_clients, scheme, seed=seed,
-                    num_classes=dataset.num_classes, **scheme_kw)
-  indices = [remaining[p] for p in parts]
-
+  info = draw_rows(dataset, num_clients, scheme, seed=seed, public_size=public_size,
+                   public_stratified=public_stratified, **scheme_kw)
+  indices, public_idx = info['indices'], info['public_idx']
   public_x = dataset.train_x[public_idx] if public_size else None
   fed = FedData.from_clients([dataset.train_x[idx] for idx in indices],
                              [dataset.train_y[idx] for idx in indices], public_x, on_host=on_host)
-  info = dict(histogram=class_histogram(dataset.train_y, indices, dataset.num_classes),
-              indices=indices, public_idx=public_idx)
   return fed, info
 
 

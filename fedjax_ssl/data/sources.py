@@ -32,7 +32,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from fedjax_ssl import config_validation as cv
-from fedjax_ssl.data.types import Dataset
+from fedjax_ssl.data.types import Dataset, Rows
 
 CATALOG_NAMES = ('cifar10', 'cifar100', 'mnist', 'fashion_mnist', 'svhn', 'stl10',
                  'stl10_unlabelled')
@@ -69,6 +69,7 @@ _IDX_DTYPES = {0x08: np.dtype('u1'), 0x09: np.dtype('i1'), 0x0B: np.dtype('>i2')
                0x0C: np.dtype('>i4'), 0x0D: np.dtype('>f4'), 0x0E: np.dtype('>f8')}
 _GZIP_MAGIC = b'\x1f\x8b'
 _TFDS_READ_CHUNK = 1024
+_IDX_READ_BYTES = 1 << 20  # an IDX file is read (decompressed) by blocks of about this size
 _DOWNLOAD_RETRIES = 2  # tfds' MAX_RETRIES during a prepare (_tfds_prepare_settings)
 _PIL_MODES = {1: 'L', 3: 'RGB', 4: 'RGBA'}
 _STATS_CHUNK = 1 << 20  # pixels per np.bincount call in channel_stats
@@ -86,23 +87,37 @@ class DataUnavailable(cv.ConfigError):
 # ----------------------------------------------------------------------------------------------
 # Statistics
 # ----------------------------------------------------------------------------------------------
-def channel_stats(x: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+def channel_stats(x) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
   """Per-channel mean and (population) std of uint8 images [N, H, W, C] scaled to [0, 1].
 
-  Computed exactly from a 256-bin histogram per channel, so no float copy of the data is made.
+  Computed exactly from a 256-bin histogram per channel, so no float copy of the data is made;
+  `Rows` are streamed in chunks (every row read once, none kept).
   """
-  x = np.asarray(x)
+  if not isinstance(x, Rows):
+    x = np.asarray(x)
   if x.dtype != np.uint8 or x.ndim != 4:
     raise ValueError(f'channel_stats expects uint8 [N, H, W, C] images, got {x.dtype} {x.shape}')
   if x.shape[0] == 0:
     raise ValueError('channel_stats needs at least one image, got N=0')
-  pixels = x.reshape(-1, x.shape[-1])
   hist = np.zeros((x.shape[-1], 256), np.int64)
+  rows_per_chunk = max(1, _STATS_CHUNK // int(np.prod(x.shape[1:3])))
+  for chunk in (x.chunks(rows_per_chunk) if isinstance(x, Rows) else (x,)):
+    _add_histogram(hist, chunk)
+  return _stats(hist)
+
+
+def _add_histogram(hist: np.ndarray, x: np.ndarray) -> None:
+  """Adds the pixel counts of uint8 [n, H, W, C] to hist int64 [C, 256]."""
+  pixels = x.reshape(-1, x.shape[-1])
   # Chunks bound the int64 temporary that np.bincount makes of its uint8 input.
   for start in range(0, pixels.shape[0], _STATS_CHUNK):
     chunk = pixels[start:start + _STATS_CHUNK]
     for c in range(x.shape[-1]):
       hist[c] += np.bincount(chunk[:, c], minlength=256)
+
+
+def _stats(hist: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+  """(mean, std) per channel of the pixel values / 255 counted in hist int64 [C, 256]."""
   values = np.arange(256, dtype=np.float64) / 255.0
   means, stds = [], []
   for counts in hist.astype(np.float64):
@@ -114,10 +129,13 @@ def channel_stats(x: np.ndarray) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
   return tuple(means), tuple(stds)
 
 
-def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes, unlabeled_x=None) -> Dataset:
+def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes, unlabeled_x=None,
+                  stats=None) -> Dataset:
   """Checks dtypes/shapes/label range and attaches the statistics of the clients' images (train_x,
-  or unlabeled_x when given)."""
-  train_x, test_x = np.asarray(train_x), np.asarray(test_x)
+  or unlabeled_x when given; `stats` (mean, std) when the source counted them as it read)."""
+  if not isinstance(train_x, Rows):
+    train_x = np.asarray(train_x)
+  test_x = np.asarray(test_x)
   train_y, test_y = np.asarray(train_y, np.int32), np.asarray(test_y, np.int32)
   for split, x, y in (('train', train_x, train_y), ('test', test_x, test_y)):
     if x.dtype != np.uint8 or x.ndim != 4:
@@ -135,7 +153,7 @@ def _make_dataset(name, train_x, train_y, test_x, test_y, num_classes, unlabeled
     if unlabeled_x.dtype != np.uint8 or unlabeled_x.shape[1:] != train_x.shape[1:]:
       raise ValueError(f'{name} unlabelled images must be uint8 [N, {", ".join(map(str, train_x.shape[1:]))}], '
                        f'got {unlabeled_x.dtype} {unlabeled_x.shape}')
-  mean, std = channel_stats(train_x if unlabeled_x is None else unlabeled_x)
+  mean, std = stats or channel_stats(train_x if unlabeled_x is None else unlabeled_x)
   return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y,
                  num_classes=int(num_classes), mean=mean, std=std, unlabeled_x=unlabeled_x)
 
@@ -155,18 +173,72 @@ def _check_idx_magic(path, head: bytes) -> Tuple[int, int]:
   return type_code, ndim
 
 
-def read_idx_shape(path) -> Tuple[int, ...]:
-  """The stored shape of an IDX file (gzip-compressed or raw), reading only its header: lets config
-  validation know a dataset's sizes without loading it."""
+def _idx_header(path) -> Tuple[int, Tuple[int, ...], bool]:
+  """(type byte, stored shape, gzipped) of an IDX file, reading only its header."""
   path = pathlib.Path(path)
   with open(path, 'rb') as f:
     gzipped = f.read(2) == _GZIP_MAGIC
   with (gzip.open(path, 'rb') if gzipped else open(path, 'rb')) as f:
-    _, ndim = _check_idx_magic(path, f.read(4))
+    type_code, ndim = _check_idx_magic(path, f.read(4))
     dims = f.read(4 * ndim)
   if len(dims) != 4 * ndim:
     raise ValueError(f'{path}: IDX header announces {ndim} dimensions but the file ends early')
-  return tuple(int(d) for d in np.frombuffer(dims, '>u4'))
+  return type_code, tuple(int(d) for d in np.frombuffer(dims, '>u4')), gzipped
+
+
+def read_idx_shape(path) -> Tuple[int, ...]:
+  """The stored shape of an IDX file (gzip-compressed or raw), reading only its header: lets config
+  validation know a dataset's sizes without loading it."""
+  return _idx_header(path)[1]
+
+
+def idx_rows(path) -> Rows:
+  """The uint8 images [N, H, W] of an IDX file as `Rows` [N, H, W, 1], read on demand: a raw file
+  is memory-mapped (a read touches its rows' pages only); a gzipped one is decompressed as a
+  stream, keeping only the rows asked for (the bytes before the last of them are decompressed,
+  not kept).
+
+  Raises:
+    ValueError: the file does not hold uint8 [N, H, W] (bad header, wrong type or rank); a read
+      that reaches the end of a file shorter than its header announces.
+  """
+  path = pathlib.Path(path)
+  type_code, shape, gzipped = _idx_header(path)
+  if _IDX_DTYPES[type_code] != np.uint8 or len(shape) != 3:
+    raise ValueError(f'{path}: must hold uint8 [N, H, W] images, got '
+                     f'{_IDX_DTYPES[type_code]} {shape}')
+  header_len, row_bytes = 4 + 4 * len(shape), shape[1] * shape[2]
+  block = max(1, _IDX_READ_BYTES // row_bytes)
+  if not gzipped and path.stat().st_size != header_len + shape[0] * row_bytes:
+    raise ValueError(f'{path}: IDX shape {shape} of uint8 needs {shape[0] * row_bytes} data bytes, '
+                     f'file has {path.stat().st_size - header_len}')
+
+  def chunks(size):
+    with (gzip.open(path, 'rb') if gzipped else open(path, 'rb')) as f:
+      f.read(header_len)
+      for start in range(0, shape[0], size):
+        k = min(size, shape[0] - start)
+        buf = f.read(k * row_bytes)
+        if len(buf) != k * row_bytes:
+          raise ValueError(f'{path}: IDX shape {shape} of uint8 needs {shape[0] * row_bytes} data '
+                           f'bytes, the file ends after {start * row_bytes + len(buf)}')
+        yield np.frombuffer(buf, np.uint8).reshape(k, shape[1], shape[2], 1)
+
+  def read(rows):
+    if not gzipped:
+      mapped = np.memmap(path, np.uint8, 'r', offset=header_len, shape=shape)
+      for j in range(0, len(rows), block):
+        yield j, np.array(mapped[rows[j:j + block]])[..., None]
+      return
+    at = 0
+    for chunk in chunks(block):
+      lo, hi = np.searchsorted(rows, [at, at + len(chunk)])
+      yield int(lo), chunk[rows[lo:hi] - at]
+      at += len(chunk)
+      if hi == len(rows):
+        return
+
+  return Rows(shape + (1,), read, chunks)
 
 
 def read_idx(path) -> np.ndarray:
@@ -211,10 +283,11 @@ def _has_idx_files(directory) -> bool:
   return all(_find_idx_file(pathlib.Path(directory), s) for s in IDX_FILES.values())
 
 
-def load_idx(directory, name: str = 'fashion_mnist') -> Dataset:
+def load_idx(directory, name: str = 'fashion_mnist', rows_on_demand: bool = False) -> Dataset:
   """Loads MNIST-style IDX files from `directory` (train/t10k images and labels, optionally .gz).
 
-  Images [N, 28, 28] become uint8 [N, 28, 28, 1]; labels int32 in [0, 10).
+  Images [N, 28, 28] become uint8 [N, 28, 28, 1]; labels int32 in [0, 10). With `rows_on_demand`
+  the training images stay in their file (`idx_rows`): the statistics stream over them.
   """
   directory = pathlib.Path(directory)
   arrays = {}
@@ -223,8 +296,10 @@ def load_idx(directory, name: str = 'fashion_mnist') -> Dataset:
     if path is None:
       raise FileNotFoundError(f'{directory}: missing IDX file {stem}[.gz]; expected '
                               f'{", ".join(IDX_FILES.values())} (each optionally .gz)')
-    arrays[key] = read_idx(path)
+    arrays[key] = idx_rows(path) if key == 'train_x' and rows_on_demand else read_idx(path)
   for key in ('train_x', 'test_x'):
+    if isinstance(arrays[key], Rows):
+      continue
     if arrays[key].dtype != np.uint8 or arrays[key].ndim != 3:
       raise ValueError(f'{directory}: {IDX_FILES[key]} must hold uint8 [N, H, W] images, got '
                        f'{arrays[key].dtype} {arrays[key].shape}')
@@ -269,6 +344,31 @@ def _read_split(ds, image_shape, labels: bool = True) -> Tuple[np.ndarray, np.nd
       x[i] = example['image']
       y[i] = example['label'] if labels else -1
   return x, y
+
+
+def _split_on_demand(ds, image_shape) -> Tuple[Rows, np.ndarray, np.ndarray]:
+  """A tfds data source's split as (`Rows` reading its images by key, int32 labels [N], the pixel
+  histogram int64 [C, 256] of its images): one pass over the records keeps the labels and counts
+  the pixels, holding one chunk of images at a time."""
+  n = len(ds)
+  y = np.empty((n,), np.int32)
+  hist = np.zeros((image_shape[-1], 256), np.int64)
+
+  def chunks(size):
+    for start in range(0, n, size):
+      yield np.stack([e['image'] for e in _read_examples(ds, range(start, min(n, start + size)))])
+
+  for start in range(0, n, _TFDS_READ_CHUNK):
+    keys = range(start, min(n, start + _TFDS_READ_CHUNK))
+    examples = _read_examples(ds, keys)
+    y[start:keys.stop] = [e['label'] for e in examples]
+    _add_histogram(hist, np.stack([e['image'] for e in examples]).astype(np.uint8))
+  def read(rows):
+    for j in range(0, len(rows), _TFDS_READ_CHUNK):
+      keys = rows[j:j + _TFDS_READ_CHUNK].tolist()
+      yield j, np.stack([e['image'] for e in _read_examples(ds, keys)]).astype(np.uint8)
+
+  return Rows((n,) + tuple(image_shape), read, chunks), y, hist
 
 
 def default_tfds_dir() -> str:
@@ -408,7 +508,8 @@ def prepare_tfds(tfds_name: str, data_dir=None, download: bool = True, *, name: 
   return builder
 
 
-def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
+def load_tfds(name: str, data_dir=None, download: bool = True,
+              rows_on_demand: bool = False) -> Dataset:
   """Loads a catalog dataset through tfds' array_record data sources (no TensorFlow needed to read).
 
   For cifar100 the target is the fine 'label' (100 classes), not 'coarse_label'.
@@ -419,11 +520,13 @@ def load_tfds(name: str, data_dir=None, download: bool = True) -> Dataset:
     raise ValueError(f'unknown tfds dataset {name!r}; allowed: {CATALOG_NAMES}')
   builder = prepare_tfds(TFDS_NAMES.get(name, name), data_dir, download, name=name,
                          needs_tensorflow=True)
-  return read_tfds(builder, name)
+  return read_tfds(builder, name, rows_on_demand)
 
 
-def read_tfds(builder, name: str) -> Dataset:
-  """The train and test splits of a prepared tfds builder as a Dataset ('image', 'label').
+def read_tfds(builder, name: str, rows_on_demand: bool = False) -> Dataset:
+  """The train and test splits of a prepared tfds builder as a Dataset ('image', 'label'); with
+  `rows_on_demand` the training images of a labelled dataset stay in their files
+  (`_split_on_demand`).
 
   Raises:
     DataUnavailable: (one line) the builder's files cannot be opened (not prepared, downloading off).
@@ -437,9 +540,17 @@ def read_tfds(builder, name: str) -> Dataset:
       raise DataUnavailable(f'{where} ({type(e).__name__} opening split {split!r}: '
                             f'{str(e).strip().splitlines()[0][:200] if str(e).strip() else ""}); '
                             f'{carry}') from e
-    features = builder.info.features
-    splits[split] = _read_split(ds, features['image'].shape)
+    image_shape = builder.info.features['image'].shape
+    if split == 'train' and rows_on_demand and name not in UNLABELLED_SPLITS:
+      rows, labels, hist = _split_on_demand(ds, image_shape)
+      splits[split] = (rows, labels)
+      stats = _stats(hist)
+    else:
+      splits[split] = _read_split(ds, image_shape)
   num_classes = builder.info.features['label'].num_classes
+  if isinstance(splits['train'][0], Rows):
+    return _make_dataset(name, *splits['train'], *splits['test'], num_classes=num_classes,
+                         stats=stats)
   unlabelled = None
   if name in UNLABELLED_SPLITS:
     ds = builder.as_data_source(split=UNLABELLED_SPLITS[name])
@@ -529,7 +640,8 @@ def _load_folder_dataset(name: str, data_dir, kw) -> Dataset:
   return _make_dataset(name, *arrays[:4], num_classes=len(arrays[4]))
 
 
-def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, **kw) -> Dataset:
+def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0,
+                 rows_on_demand: bool = False, **kw) -> Dataset:
   """Loads dataset `name` as a `Dataset` (uint8 NHWC images, int32 labels, train mean/std).
 
   Args:
@@ -540,6 +652,9 @@ def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, 
       'fashion_mnist_subset', an optional path to the npz file; for 'folder' and 'tiny_imagenet'
       (required) the image folder (fedjax_ssl/data/folders.py).
     seed: seed of the synthetic data (other sources are fixed files and ignore it).
+    rows_on_demand: the training images as `Rows`, left in their files and read by row ('idx';
+      'tfds' for a labelled training split); the other sources (synthetic, the shipped subset,
+      image folders) return arrays either way.
     **kw: 'tfds': download (bool). 'synthetic': num_train, num_test, image_shape, num_classes,
       pattern_size, amplitude, noise. 'folder': image_size, test_fraction. 'tiny_imagenet':
       image_size.
@@ -573,6 +688,7 @@ def load_dataset(name: str, source: str = 'auto', data_dir=None, seed: int = 0, 
     directory = data_dir if data_dir is not None else _DEFAULT_IDX_DIRS.get(name)
     if directory is None:
       raise ValueError(f'source="idx" for {name!r} needs data_dir (no default IDX directory)')
-    return load_idx(directory, name)
+    return load_idx(directory, name, rows_on_demand)
   _check_kwargs(name, kw, ('download',))
-  return load_tfds(name, data_dir=data_dir, download=kw.get('download', True))
+  return load_tfds(name, data_dir=data_dir, download=kw.get('download', True),
+                   rows_on_demand=rows_on_demand)

@@ -2,12 +2,90 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+class Rows:
+  """uint8 images [N, H, W, C] left in their source and read by row on demand: the training split
+  of a run under placement 'divided', where each process reads only the rows of its clients
+  (core/placement.py `divide_rows`) and the public set.
+
+  Indexing with integers (any order, repeats) reads those rows and returns a numpy array; a slice
+  with step 1 returns the Rows of that range, reading nothing; `np.asarray(rows)` reads every row.
+  `chunks` streams the split in order (statistics, a digest) without holding it.
+
+  Args:
+    shape: (N, H, W, C) of the split.
+    read: sorted unique int64 rows [k] -> iterator of (j, uint8 [b, H, W, C]): the images of
+      rows[j:j + b], blocks in order covering the k rows (a read never holds them twice).
+    chunks: size -> iterator over the split in order, uint8 arrays of up to `size` rows.
+  """
+  dtype = np.dtype(np.uint8)
+
+  def __init__(self, shape: Tuple[int, ...], read: Callable[[np.ndarray], np.ndarray],
+               chunks: Callable[[int], Iterator[np.ndarray]], start: int = 0):
+    self.shape = tuple(int(s) for s in shape)
+    self._read, self._chunks, self._start = read, chunks, int(start)
+
+  ndim = property(lambda self: len(self.shape))
+  size = property(lambda self: int(np.prod(self.shape, dtype=np.int64)))
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getitem__(self, key) -> 'np.ndarray | Rows':
+    if isinstance(key, slice):
+      start, stop, step = key.indices(len(self))
+      if step != 1:
+        return self[np.arange(start, stop, step)]
+      return Rows((max(stop - start, 0),) + self.shape[1:], self._read, self._chunks,
+                  self._start + start)
+    rows = np.asarray(key)
+    if rows.dtype.kind not in 'iu':
+      raise TypeError(f'Rows are indexed by integers or a slice, got {rows.dtype} {rows.shape}')
+    if rows.size and (rows.min() < -len(self) or rows.max() >= len(self)):
+      raise IndexError(f'row {int(rows.min()) if rows.min() < 0 else int(rows.max())} is out of '
+                       f'range for {len(self)} rows')
+    rows = np.where(rows < 0, rows + len(self), rows).astype(np.int64).ravel()
+    unique, inverse = np.unique(rows, return_inverse=True)
+    out = np.empty((rows.size,) + self.shape[1:], np.uint8)
+    # Each block goes straight to its output positions: the rows are held once, in `out`.
+    order = np.argsort(inverse, kind='stable')
+    first = np.searchsorted(inverse[order], np.arange(unique.size + 1))
+    if unique.size:
+      for j, block in self._read(unique + self._start):
+        at = order[first[j]:first[j + len(block)]]
+        out[at] = block[inverse[at] - j]
+    return out.reshape(np.shape(key) + self.shape[1:])
+
+  def chunks(self, size: int) -> Iterator[np.ndarray]:
+    """The rows in order, in chunks of at most `size` rows (a view's first and last chunks are
+    cut from the source's)."""
+    left, skip = len(self), self._start
+    for chunk in self._chunks(size):
+      if skip >= len(chunk):
+        skip -= len(chunk)
+        continue
+      chunk = chunk[skip:skip + left]
+      skip, left = 0, left - len(chunk)
+      if len(chunk):
+        yield chunk
+      if not left:
+        return
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a new array either way
+    out = np.empty(self.shape, np.uint8)
+    at = 0
+    for chunk in self.chunks(4096):
+      out[at:at + len(chunk)] = chunk
+      at += len(chunk)
+    return out if dtype is None else out.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,7 +94,8 @@ class Dataset:
 
   Attributes:
     name: catalog name, e.g. 'fashion_mnist'.
-    train_x: uint8 [N_train, H, W, C] (NHWC; grayscale has C=1).
+    train_x: uint8 [N_train, H, W, C] (NHWC; grayscale has C=1): an array, or `Rows` read from the
+      source on demand (`sources.load_dataset(..., rows_on_demand=True)`).
     train_y: int32 [N_train].
     test_x: uint8 [N_test, H, W, C].
     test_y: int32 [N_test].

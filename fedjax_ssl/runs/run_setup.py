@@ -22,7 +22,7 @@ from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.core.state import FedState
 from fedjax_ssl.data import partition
 from fedjax_ssl.data.info import DatasetInfo
-from fedjax_ssl.data.types import Dataset, FedData
+from fedjax_ssl.data.types import Dataset, FedData, Rows
 from fedjax_ssl.runs import checkpoint, logging_utils, numerics, resuming
 from fedjax_ssl.runs.run_dir import RunDir
 
@@ -167,11 +167,13 @@ def drop_train_rows(run: Run) -> Run:
   return dataclasses.replace(run, dataset=_no_train_rows(run.dataset))
 
 
-def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialState
-            ) -> placement.LocalClients:
-  """This process's share of the clients under placement 'divided'; ConfigError before compute
-  when the process count cannot divide them, or the algorithm reads other clients before a round
-  or (with host-resident state) evaluates every client's model."""
+def _divide(config, algo: Algorithm, dataset: Dataset, fed_data: Optional[FedData], info: dict,
+            initial_state: InitialState) -> placement.LocalClients:
+  """This process's share of the clients under placement 'divided': read from the training split
+  (`placement.divide_rows`: this process's rows only), or cut from the whole `fed_data` when the
+  clients train on unlabelled images. ConfigError before compute when the process count cannot
+  divide them, or the algorithm reads other clients before a round or (with host-resident state)
+  evaluates every client's model."""
   try:
     rd.validate(experiment.round_config(config), config.num_clients, algo)
   except ValueError as e:
@@ -186,7 +188,10 @@ def _divide(config, algo: Algorithm, fed_data: FedData, initial_state: InitialSt
                          f"{config.algorithm!r}: its evaluation reads every client's model, and "
                          "each process holds only its own clients'; use 'replicated'")
   del state
-  return placement.divide(fed_data, jax.process_index(), jax.process_count())
+  if fed_data is not None:
+    return placement.divide(fed_data, jax.process_index(), jax.process_count())
+  return placement.divide_rows(dataset.train_x, dataset.train_y, info['indices'],
+                               info['public_idx'], jax.process_index(), jax.process_count())
 
 
 def _check_processes(config, stateful: bool) -> None:
@@ -281,29 +286,37 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   console.log(f'workdir {rundir.path}; config {json.dumps(config.to_dict(), sort_keys=True)}')
   changes = _changes(config, rundir, ckpt, allow_config_change, console)
   known_before_loading = configuration.dataset_info(config) is not None
-  dataset = experiment.load_data(config)
+  divided = config.placement == 'divided'
+  # Under placement 'divided' each process reads only its block of the training rows (fine-tuning
+  # reads labelled subsets from the whole split); sources that cannot read by row give arrays.
+  dataset = experiment.load_data(config, rows_on_demand=divided and config.finetune == 'none')
   if not known_before_loading:  # validate_config could not check the sizes: check them now
     configuration.check_data_config(config, DatasetInfo.of(dataset))
-  # Under placement 'divided' the whole federation never goes to a device: each process keeps
-  # its block on the host (`_divide`).
-  fed_data, info = experiment.build_fed_data(config, dataset,
-                                             on_host=config.placement == 'divided')
+  if divided and dataset.unlabeled_x is None:
+    fed_data, info = None, experiment.draw_rows(config, dataset)  # the images come in `_divide`
+    sizes = np.array([len(i) for i in info['indices']], np.int32)
+  else:  # the whole federation; under 'divided' (unlabelled images) on the host, then cut
+    fed_data, info = experiment.build_fed_data(config, dataset, on_host=divided)
+    sizes = np.asarray(fed_data.n)
   console.say(_data_summary(config, dataset) + '\n' +
               partition.format_histogram(info['histogram']))
   # Per-client results (issue 69): the splits, refused before any compute when a client's is small.
-  splits = (evaluation.client_test_splits(config, dataset, fed_data) if config.per_client_eval
-            else None)
-  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed_data.n))
-  plan = experiment.run_plan(config, dataset, np.asarray(fed_data.n))
+  splits = (evaluation.client_test_splits(config, dataset, info['histogram'])
+            if config.per_client_eval else None)
+  algo = experiment.build_algorithm(config, dataset, client_sizes=sizes)
+  plan = experiment.run_plan(config, dataset, sizes)
   if plan is not None:
     console.say(plan.text)
   init_key, run_key = experiment.run_keys(config)
   initial_state = InitialState(config, algo, init_key)
-  whole = fed_data  # the whole federation's shapes (message sizes, the strategy's program)
   train_features = None
-  if config.placement == 'divided':
-    fed_data = _divide(config, algo, fed_data, initial_state)
+  if divided:
+    fed_data = _divide(config, algo, dataset, fed_data, info, initial_state)
+    whole = placement.federation_shapes(fed_data)  # message sizes: traced, no rows needed
     train_features = TrainFeatures.build(fed_data, dataset, info)
+    if train_features is None and isinstance(dataset.train_x, Rows):
+      # Rows in no client: every process embeds the whole split (TrainFeatures.build).
+      dataset = dataclasses.replace(dataset, train_x=np.asarray(dataset.train_x))
   else:
     fed_data = whole = strategies.replicate(fed_data)
   # The strategy: 'auto' is measured once per program (cached under cache_dir); a resumed run keeps

@@ -117,20 +117,29 @@ def _workers(tmp_path, placement_, processes, devices_per_process):
 
 
 @pytest.mark.slow
-def test_two_processes_holding_half_the_clients_each_equal_one_process(tmp_path):
-  """FedEMA with host state, two rounds of 4 of 6 clients over a 2-device mesh: one process holding
-  everything (replicated) against two processes holding clients 0-2 and 3-5 (divided), whose
-  participants cross processes by `placement.exchange`. The mesh has two devices either way, so
-  the one cross-device sum adds the same two terms: bit for bit. `placement.gather_rows` brings
-  every client's rows back to both processes, in the whole federation's order."""
-  (one,) = _workers(tmp_path, 'replicated', 1, 2)
-  two = _workers(tmp_path, 'divided', 2, 1)
-  assert [(int(t['lo']), int(t['hi'])) for t in two] == [(0, 3), (3, 6)]
-  for t in two:
+@pytest.mark.parametrize('processes,blocks', [(2, [(0, 3), (3, 6)]),
+                                              (4, [(0, 2), (2, 4), (4, 5), (5, 6)])])
+def test_processes_holding_a_block_of_clients_each_equal_one_process(tmp_path, processes, blocks):
+  """FedEMA with host state, two rounds of 4 of 6 clients: one process holding everything
+  (replicated) against P processes (one device each) holding a block of clients each (divided),
+  whose participants cross processes by `placement.exchange`. The mesh has P devices either way,
+  so the one cross-device sum adds the same terms in the same order: bit for bit at P = 2. At
+  P = 4 one process's four virtual CPU devices do not round their local training as four processes
+  of one device do (ENG-94: 157 of 171 leaves differ after two rounds, by at most 1.8e-5, the loss
+  by 2e-7 relative), so P = 4 is held to rtol 1e-3 / atol 1e-4, about 5x the measured spread.
+  `placement.gather_rows` brings every client's rows back to every process, in the whole
+  federation's order (exact at any P: rows are moved, never summed)."""
+  (one,) = _workers(tmp_path, 'replicated', 1, processes)
+  divided = _workers(tmp_path, 'divided', processes, 1)
+  assert [(int(t['lo']), int(t['hi'])) for t in divided] == blocks
+  for t in divided:
     lo, hi = int(t['lo']), int(t['hi'])
     assert t.keys() == one.keys()
     for k in t:
       if k in ('lo', 'hi'):
         continue
       want = one[k][lo:hi] if "['clients']" in k else one[k]
-      np.testing.assert_array_equal(t[k], want, err_msg=k)
+      if processes == 2 or k == 'gathered':
+        np.testing.assert_array_equal(t[k], want, err_msg=k)
+      else:
+        np.testing.assert_allclose(t[k], want, rtol=1e-3, atol=1e-4, err_msg=k)

@@ -4,6 +4,7 @@ one-process run and resumes exactly from a checkpoint. The flat data layout is t
 test_partition; the round equivalences with host state and other phase widths in
 test_round_equivalence."""
 import dataclasses
+import gzip
 import json
 import pathlib
 import shutil
@@ -19,8 +20,10 @@ import pytest
 from fedjax_ssl.core import local, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Prepare
+from fedjax_ssl.data import sources
 from tests import subprocess_env
 from tests.core import test_round_equivalence as eq
+from tests.data.test_data_sources import _idx_bytes
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -221,10 +224,23 @@ def test_device_resident_state_divided_equals_host_resident_and_resumes(tmp_path
   assert _records(tmp_path / 'device') == got
 
 
+def _subset_as_idx(directory: pathlib.Path) -> dict:
+  """The shipped subset written as gzipped IDX files (test_data_sources' writer): the config keys
+  of a run that reads them, whose divided training split is read row by row (types.Rows)."""
+  directory.mkdir()
+  subset = sources.load_subset()
+  for key, stem in sources.IDX_FILES.items():
+    a = getattr(subset, key)
+    (directory / (stem + '.gz')).write_bytes(gzip.compress(_idx_bytes(
+        a[..., 0] if a.ndim == 4 else a.astype(np.uint8), 0x08, '>u1')))
+  return dict(dataset='fashion_mnist', data_source='idx', data_dir=str(directory))
+
+
 @pytest.mark.slow
 def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resume_on_one(
     tmp_path, capfd):
-  """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (their rows, and their
+  """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (their rows, read from
+  the subset's IDX files row by row, and their
   states on its device: host-resident state runs the same program, bit for bit,
   `test_device_resident_state_divided_equals_host_resident_and_resumes`), process 1 clients 2-3,
   one device each; each saves its block of the checkpoint. The metrics equal
@@ -238,7 +254,9 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   from fedjax_ssl.runs import training as train
   train.train_and_evaluate(_config(), str(tmp_path / 'one'), verbose=False)
   want = _records(tmp_path / 'one')
-  divided = ['--config.placement=divided', '--config.client_state=device']
+  idx = _subset_as_idx(tmp_path / 'idx')
+  divided = ['--config.placement=divided', '--config.client_state=device',
+             *[f'--config.{k}={v}' for k, v in idx.items()]]
   _two_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
@@ -254,7 +272,7 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   shutil.rmtree(ckpts / '2' / block)
   shutil.copytree(ckpts / '1' / block, ckpts / '2' / block)
   capfd.readouterr()
-  train.train_and_evaluate(_config(placement='divided', client_state='device'),
+  train.train_and_evaluate(_config(placement='divided', client_state='device', **idx),
                            str(tmp_path / 'two'), verbose=False)
   err = capfd.readouterr().err
   assert f'warning: checkpoint of round 2 in {ckpts} is unreadable (' in err, err[-3000:]
@@ -266,7 +284,7 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
 
   shutil.rmtree(ckpts / '2')
   shutil.copytree(ckpts / '1', ckpts / '2')
-  train.train_and_evaluate(_config(placement='divided', client_state='device'),
+  train.train_and_evaluate(_config(placement='divided', client_state='device', **idx),
                            str(tmp_path / 'two'), verbose=False)
   err = capfd.readouterr().err
   assert ('warning: checkpoint of round 2 holds a block of another checkpoint: clients 0-3 were '
