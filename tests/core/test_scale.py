@@ -159,11 +159,13 @@ def run_processes(commands, devices_per_process):
   return outs
 
 
-def _two_processes(workdir, extra=(), devices_per_process=2):
-  """Runs experiments.train as 2 processes on 127.0.0.1; returns process 0's console output."""
+def _train_processes(workdir, extra=(), devices_per_process=2, processes=2):
+  """Runs experiments.train as `processes` processes on 127.0.0.1; returns process 0's console
+  output."""
   common = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}'] + TRAIN_FLAGS + [
-      *extra, f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=2']
-  return run_processes([common + [f'--process_id={i}'] for i in range(2)], devices_per_process)[0]
+      *extra, f'--coordinator_address=127.0.0.1:{_free_port()}', f'--num_processes={processes}']
+  return run_processes([common + [f'--process_id={i}'] for i in range(processes)],
+                       devices_per_process)[0]
 
 
 def _assert_records_close(got, want):
@@ -195,7 +197,7 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
   train.train_and_evaluate(config, str(tmp_path / 'one'), verbose=False)
   want = _records(tmp_path / 'one')
 
-  _two_processes(tmp_path / 'two')
+  _train_processes(tmp_path / 'two')
   got = _records(tmp_path / 'two')
   # Only process 0 writes: one log, one metrics file; the other process logs to its own file.
   assert (tmp_path / 'two' / 'train.process1.log').exists()
@@ -204,7 +206,7 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
 
   # Resume: without the last checkpoint, the same command redoes round 2 from round 1's.
   shutil.rmtree(tmp_path / 'two' / 'checkpoints' / '2')
-  out = _two_processes(tmp_path / 'two')
+  out = _train_processes(tmp_path / 'two')
   assert 'resumed from the checkpoint of round 1' in out
   assert _records(tmp_path / 'two') == got
 
@@ -245,9 +247,10 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   `test_device_resident_state_divided_equals_host_resident_and_resumes`), process 1 clients 2-3,
   one device each; each saves its block of the checkpoint. The metrics equal
   a one-process run's to the float rounding of the cross-device sums (2 devices against the
-  session's 4: the server average adds its terms in another order, ~1e-7 relative). Then one
-  process resumes the two processes' checkpoints, cut for it (after both resumed from the final
-  one, each redoing the divided evaluation): round 2's with process 1's block
+  session's 4: the server average adds its terms in another order, ~1e-7 relative). Four
+  processes resume the two's checkpoint of round 1, cut again for them (after both resumed from
+  the final one, each redoing the divided evaluation). Then one process resumes the two
+  processes' checkpoints, cut for it: round 2's with process 1's block
   taken from round 1's is unreadable (one warning line, no orbax residue on the console) and moved
   aside, and round 1's redoes round 2. Last, a whole checkpoint of round 1 copied as round 2's
   reads back cleanly and is refused by the round each client's row was saved at."""
@@ -257,16 +260,23 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   idx = _subset_as_idx(tmp_path / 'idx')
   divided = ['--config.placement=divided', '--config.client_state=device',
              *[f'--config.{k}={v}' for k, v in idx.items()]]
-  _two_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
+  _train_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
   got = _records(tmp_path / 'two')
   assert [r['round'] for r in got] == [0, 1, 2]
   _assert_records_close(got, want)
   # The same command again resumes from the final checkpoint: the evaluation, which gathers the
   # training features from both processes, is redone by both (not by process 0 alone: a hang).
   final = json.loads((tmp_path / 'two' / 'results.json').read_text())['final']
-  out = _two_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
+  out = _train_processes(tmp_path / 'two', extra=divided, devices_per_process=1)
   assert 'resumed from the checkpoint of round 2' in out
   assert json.loads((tmp_path / 'two' / 'results.json').read_text())['final'] == final
+  # 2 -> 4: the two processes' checkpoint of round 1, cut again for four processes (one client
+  # each), redoes round 2 within the rounding of a 4-device mesh (ENG-94).
+  shutil.copytree(tmp_path / 'two', tmp_path / 'four')
+  shutil.rmtree(tmp_path / 'four' / 'checkpoints' / '2')
+  out = _train_processes(tmp_path / 'four', extra=divided, devices_per_process=1, processes=4)
+  assert 'resumed from the checkpoint of round 1' in out
+  _assert_records_close(_records(tmp_path / 'four'), got)
   ckpts = tmp_path / 'two' / 'checkpoints'
   block = pathlib.Path('state') / 'ocdbt.process_1'
   shutil.rmtree(ckpts / '2' / block)
