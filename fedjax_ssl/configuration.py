@@ -569,7 +569,10 @@ SMOKE_ENV = 'FEDJAX_SSL_SMOKE'
 # (Hetero-SSFL's RAD batches must divide it).
 # num_clients: the smoke data (2,000 images) cannot give every client of a cross-device federation
 # (configs/dp/table.py: 500) the 2 examples a partition needs; clients_per_round follows it down.
-SMOKE_LIMITS = dict(rounds=2, local_epochs=1, train_size=2000, num_clients=100)
+SMOKE_LIMITS = dict(rounds=2, local_epochs=1, train_size=2000, num_clients=100, finetune_epochs=1)
+# Keys whose 0 means "all" (train_size: every example; finetune_epochs: the protocol's 100 or 200):
+# above any limit.
+_ZERO_IS_ALL = ('train_size', 'finetune_epochs')
 # The protocol's probe at full labels only: the 1 % fits at weak penalty run to max_iter on raw
 # pixels, most of a smoke run's time (docs/notes/harness.md#harness-24).
 SMOKE_SETTINGS = dict(label_fractions=(1.0,))
@@ -587,14 +590,15 @@ def smoke_requested(environ) -> bool:
 
 def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of `config` at smoke size: each key of SMOKE_LIMITS lowered to its limit (train_size 0,
-  all examples, counts as above it), everything else as configured, so the smoke run exercises the
-  same data source, model, algorithm, evaluation and files as the full one, with SMOKE_SETTINGS."""
+  all examples, and finetune_epochs 0, the protocol's, count as above it), everything else as
+  configured, so the smoke run exercises the same data source, model, algorithm, evaluation and
+  files as the full one, with SMOKE_SETTINGS."""
   small = ml_collections.ConfigDict(config.to_dict())
   small.update(SMOKE_SETTINGS)
   for key, limit in SMOKE_LIMITS.items():
     value = int(small[key])
     limit += int(small.public_size) if key == 'train_size' else 0
-    small[key] = limit if (key == 'train_size' and value == 0) else min(value, limit)
+    small[key] = limit if (key in _ZERO_IS_ALL and value == 0) else min(value, limit)
   small.clients_per_round = min(int(small.clients_per_round), int(small.num_clients))
   if small.eval_every:
     small.eval_every = min(int(small.eval_every), small.rounds)

@@ -355,3 +355,7 @@ def test_smoke_caps_a_cross_device_federation_to_what_its_data_can_partition():
   assert (configuration.smoke(c).num_clients, configuration.smoke(c).clients_per_round) == (100, 100)
   c.update(dict(num_clients=10, clients_per_round=10))
   assert (configuration.smoke(c).num_clients, configuration.smoke(c).clients_per_round) == (10, 10)
+  # Fine-tuning: 0 (the protocol's 200 or 100 epochs) and 10 both become one epoch.
+  assert small.finetune_epochs == 1
+  c.finetune_epochs = 10
+  assert configuration.smoke(c).finetune_epochs == 1
