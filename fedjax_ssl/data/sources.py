@@ -354,19 +354,21 @@ def _split_on_demand(ds, image_shape) -> Tuple[Rows, np.ndarray, np.ndarray]:
   y = np.empty((n,), np.int32)
   hist = np.zeros((image_shape[-1], 256), np.int64)
 
+  images = lambda examples: np.asarray(np.stack([e['image'] for e in examples]), np.uint8)
+
   def chunks(size):
     for start in range(0, n, size):
-      yield np.stack([e['image'] for e in _read_examples(ds, range(start, min(n, start + size)))])
+      yield images(_read_examples(ds, range(start, min(n, start + size))))
+
+  def read(rows):
+    for j in range(0, len(rows), _TFDS_READ_CHUNK):
+      yield j, images(_read_examples(ds, rows[j:j + _TFDS_READ_CHUNK].tolist()))
 
   for start in range(0, n, _TFDS_READ_CHUNK):
     keys = range(start, min(n, start + _TFDS_READ_CHUNK))
     examples = _read_examples(ds, keys)
     y[start:keys.stop] = [e['label'] for e in examples]
-    _add_histogram(hist, np.stack([e['image'] for e in examples]).astype(np.uint8))
-  def read(rows):
-    for j in range(0, len(rows), _TFDS_READ_CHUNK):
-      keys = rows[j:j + _TFDS_READ_CHUNK].tolist()
-      yield j, np.stack([e['image'] for e in _read_examples(ds, keys)]).astype(np.uint8)
+    _add_histogram(hist, images(examples))
 
   return Rows((n,) + tuple(image_shape), read, chunks), y, hist
 

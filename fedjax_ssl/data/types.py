@@ -24,10 +24,12 @@ class Rows:
     read: sorted unique int64 rows [k] -> iterator of (j, uint8 [b, H, W, C]): the images of
       rows[j:j + b], blocks in order covering the k rows (a read never holds them twice).
     chunks: size -> iterator over the split in order, uint8 arrays of up to `size` rows.
+    start: the first source row of this view (a slice of the source's Rows).
   """
   dtype = np.dtype(np.uint8)
 
-  def __init__(self, shape: Tuple[int, ...], read: Callable[[np.ndarray], np.ndarray],
+  def __init__(self, shape: Tuple[int, ...],
+               read: Callable[[np.ndarray], Iterator[Tuple[int, np.ndarray]]],
                chunks: Callable[[int], Iterator[np.ndarray]], start: int = 0):
     self.shape = tuple(int(s) for s in shape)
     self._read, self._chunks, self._start = read, chunks, int(start)
