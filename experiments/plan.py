@@ -298,7 +298,7 @@ def _round_data_bytes(data: FedData, config: ml_collections.ConfigDict) -> int:
 
 def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes: int,
              round_data_bytes: int, stored_client_bytes: int, hosts: int, devices_per_host: int,
-             target: str, held_block: bool = True) -> Dict[str, Any]:
+             target: str) -> Dict[str, Any]:
   """Bytes per device and per host of a round on hosts x devices_per_host devices, with the clients
   replicated (the default) and with `placement='divided'` (core/placement.py).
 
@@ -313,9 +313,8 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   participants' padded rows, `placement.participant_data`) every device receives that FedData in
   place of the whole data, and each host holds 1 / H of the data and of the host-resident states
   (an even cut: the hosts' blocks differ by one client at most) plus that FedData; device-resident
-  client state divides too when `held_block` (`rd.holds_block`, single-cohort algorithms: each
-  host's first device holds its C / H clients' states, and every device the round's m
-  participants' states, as under 'host'; cohorts keep the C states on every device).
+  client state divides too (each host's first device holds its C / H clients' states, of every
+  cohort, and every device the round's m participants' states, as under 'host').
   """
   devices = hosts * devices_per_host
   m, c = config.clients_per_round, config.num_clients
@@ -328,7 +327,7 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   per_device = mem['total_bytes'] + 2 * extra
   per_host = data_bytes + host_states + (devices_per_host * per_device if target == 'cpu' else 0)
   divided_device = per_device - data_bytes + round_data_bytes
-  if config.client_state == 'device' and held_block:
+  if config.client_state == 'device':
     # The held block (the first device of each host) and the participants' states in place of C.
     divided_device += (-(-c // hosts) + m - c) * stored_client_bytes
   divided_host = (-(-(data_bytes + host_states) // hosts) + round_data_bytes +
@@ -341,8 +340,7 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
       'bytes_per_device': per_device, 'bytes_per_host': per_host,
       'round_data_bytes_divided': round_data_bytes,
       'bytes_per_device_divided': divided_device, 'bytes_per_host_divided': divided_host,
-      'divided_device_block': bool(config.client_state == 'device' and held_block
-                                   and stored_client_bytes),
+      'divided_device_block': bool(config.client_state == 'device' and stored_client_bytes),
   }
 
 
@@ -381,8 +379,7 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
   per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, run_config)
   stored = _tree_bytes(s.state.clients) // config.num_clients
   topo = topology(config, mem, _tree_bytes(s.data), _round_data_bytes(s.data, config),
-                  stored, int(hosts), int(devices_per_host), target,
-                  held_block=rd.holds_block(s.algo, 'divided'))
+                  stored, int(hosts), int(devices_per_host), target)
   if devices > 1:  # the inputs every device holds whole under placement replicated (`topology`)
     extra = topo['other_participant_state_bytes']
     mem = dict(mem, input_bytes=mem['input_bytes'] + extra,

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -19,6 +19,7 @@ import numpy as np
 from fedjax_ssl import algorithms
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import ssl_client
+from fedjax_ssl.core import placement
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Algorithm
 from fedjax_ssl.core.state import FedState
@@ -47,7 +48,8 @@ TrainFeaturesFn = Callable[[Algorithm, Any], np.ndarray]
 
 def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState, dataset: Dataset,
              *, probe: bool = True, knn: bool = True,
-             train_features: Optional[TrainFeaturesFn] = None) -> Dict[str, Any]:
+             train_features: Optional[TrainFeaturesFn] = None,
+             client_blocks: Optional[Sequence[placement.StateBlock]] = None) -> Dict[str, Any]:
   """Linear probe (full train -> full test) and kNN monitor on the frozen encoder(s), and with
   config.finetune != 'none' (and `probe`) the semi-supervised fine-tune (`finetune_metrics`).
 
@@ -55,6 +57,9 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
   (per-client accuracies under '<metric>_clients', in client-id order). With several cohorts
   (architectures) each cohort's mean is reported too, as '<metric>_<cohort name>'.
   `train_features` replaces the extraction of dataset.train_x's features (a shared encoder only).
+  `client_blocks` (placement 'divided', personalised models): per cohort, the block of its
+  clients whose models `state` holds (`round.state_blocks`); each process scores its own clients
+  and one gather (`placement.exchange`) brings every client's scores to every process.
   """
   variables, per_client = algo.eval_variables(state)
   encoders = encoder_modules(config) if probe and config.finetune != 'none' else None
@@ -73,6 +78,8 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
   per_cohort = [_evaluate_encoder(config, c.client, v, True, dataset, probe=probe, knn=knn,
                                   encoder=encoders[i] if encoders else None)
                 for i, (c, v) in enumerate(groups)]
+  if client_blocks is not None:
+    per_cohort = [_gather_scores(res, block) for res, block in zip(per_cohort, client_blocks)]
   out: Dict[str, Any] = {}
   for key in per_cohort[0]:
     accs = np.zeros(sum(len(c.members) for c, _ in groups))
@@ -85,6 +92,17 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
     if key != 'knn_acc':
       out[f'{key}_clients'] = [float(a) for a in accs]
   return out
+
+
+def _gather_scores(scores: Dict[str, List[float]], block: placement.StateBlock
+                   ) -> Dict[str, List[float]]:
+  """Every client's scores of one cohort, in member order, from each process's `scores` of the
+  clients it holds (`block`): one all-gather, values moved and never summed."""
+  # Moved as their float64 bits: the all-gather moves JAX arrays, float32 unless x64 is enabled.
+  held = {k: np.asarray(v, np.float64)[:, None].view(np.uint32) for k, v in scores.items()}
+  owner = placement.owners(np.arange(block.num), block.num, block.process_count)
+  return {k: [float(a) for a in np.asarray(v).view(np.float64)[:, 0]]
+          for k, v in placement.exchange(held, owner, block.process_count).items()}
 
 
 def encoder_modules(config: ml_collections.ConfigDict) -> List[nn.Module]:

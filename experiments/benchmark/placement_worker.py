@@ -69,7 +69,7 @@ def main(a: dict) -> dict:
   del dataset  # under 'divided' only this process's block stays
   gc.collect()
   state = rd.init_state(algo, jax.random.PRNGKey(0), c, client_state='host',
-                        held=(lo, hi) if divided else None)
+                        process=(pid, count) if divided else None)
   step = rd.make_round_step(algo, experiment.round_config(config), c)
   root = jax.random.PRNGKey(1)
   state, _ = step(state, data, rng.round_key(root, 0))  # compile and warm up
@@ -79,9 +79,10 @@ def main(a: dict) -> dict:
     key = rng.round_key(root, r)
     if divided:  # the participants' rows and states alone, as the round gathers them
       ids = np.asarray(rd.sample_participants(key, c, config.clients_per_round))
+      block = placement.StateBlock.of(c, pid, count)
       t0 = time.perf_counter()
       placement.participant_data(data, ids)
-      placement.participant_states(state.clients, data, ids)
+      placement.participant_states(state.clients, block, ids)
       exchanges.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     state, metrics = step(state, data, key)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -77,6 +77,11 @@ class LocalClients:
   @property
   def num_clients(self) -> int:
     return int(self.n.shape[0])
+
+  @property
+  def process_index(self) -> int:
+    """The process holding this block."""
+    return int(owners(np.array([self.lo]), self.num_clients, self.process_count)[0])
 
   def client_rows(self, cid: int) -> Tuple[np.ndarray, np.ndarray]:
     """The held client `cid`'s padded view: x uint8 [n_max, ...] (zeros past n), y int32 [n_max]
@@ -195,8 +200,7 @@ def participant_data(local: LocalClients, ids: np.ndarray) -> FedData:
   """
   ids = np.asarray(ids)
   owner = owners(ids, local.num_clients, local.process_count)
-  me = owners(np.array([local.lo]), local.num_clients, local.process_count)[0]
-  rows = [local.client_rows(int(c)) for c in ids[owner == me]]
+  rows = [local.client_rows(int(c)) for c in ids[owner == local.process_index]]
   empty = (np.zeros((0, local.n_max) + local.x.shape[1:], local.x.dtype),
            np.zeros((0, local.n_max), np.int32))
   held = tuple(np.stack(r) for r in zip(*rows)) if rows else empty
@@ -212,15 +216,31 @@ def local_rows(stack: Any, lo: int, hi: int) -> Any:
   return jax.tree_util.tree_map(lambda a: np.array(a[lo:hi], copy=True), stack)
 
 
-def block_rows(local: LocalClients, ids: np.ndarray, valid: Optional[np.ndarray] = None
+@dataclasses.dataclass(frozen=True)
+class StateBlock:
+  """The rows of a stack of `num` client states (one cohort's, in member order; a plain
+  algorithm's: every client) that one process holds under 'divided': rows lo .. hi - 1
+  (`owned_range` of `num` over `process_count` processes)."""
+  lo: int
+  hi: int
+  num: int
+  process_count: int
+
+  @classmethod
+  def of(cls, num: int, process_index: int, process_count: int) -> 'StateBlock':
+    return cls(*owned_range(num, process_index, process_count), num, process_count)
+
+
+def block_rows(block: StateBlock, rows: np.ndarray, valid: Optional[np.ndarray] = None
                ) -> np.ndarray:
-  """int32 [m]: each slot's row in this process's block, or hi - lo (one past the block) for a
-  client another process holds (or a slot not `valid`): a gather clamps it, a scatter drops it."""
-  ids = np.asarray(ids)
-  put = (ids >= local.lo) & (ids < local.hi)
+  """int32 [m]: each slot's row in this process's block (`rows` [m] are rows of the whole stack),
+  or hi - lo (one past the block) for a row another process holds (or a slot not `valid`): a
+  gather clamps it, a scatter drops it."""
+  rows = np.asarray(rows)
+  put = (rows >= block.lo) & (rows < block.hi)
   if valid is not None:
     put &= np.asarray(valid)
-  return np.where(put, ids - local.lo, local.hi - local.lo).astype(np.int32)
+  return np.where(put, rows - block.lo, block.hi - block.lo).astype(np.int32)
 
 
 @jax.jit
@@ -235,25 +255,27 @@ def _put_rows(stack: Any, rows: jax.Array, new: Any) -> Any:
 _PUT_ROWS = {True: jax.jit(_put_rows, donate_argnums=0), False: jax.jit(_put_rows)}
 
 
-def participant_states(stack: Any, local: LocalClients, ids: np.ndarray) -> Any:
-  """The participants' stored states [m, ...] (host numpy) from the held stack (leaves
-  [hi - lo, ...], numpy or on one device), via `exchange`. On a device, one fixed-shape gather of
-  m rows (one program whatever the number held), then the held ones leave the device."""
-  rows = block_rows(local, ids)
-  mine = rows < local.hi - local.lo
+def participant_states(stack: Any, block: StateBlock, rows: np.ndarray) -> Any:
+  """The stored states [m, ...] (host numpy) of the stack's `rows` [m] (every process passes the
+  same), from the held block (leaves [hi - lo, ...], numpy or on one device), via `exchange`. On a
+  device, one fixed-shape gather of m rows (one program whatever the number held), then the held
+  ones leave the device."""
+  local = block_rows(block, rows)
+  mine = local < block.hi - block.lo
   if _on_device(stack):
-    taken = jax.device_get(_take_rows(stack, jax.device_put(rows, _device(stack))))
+    taken = jax.device_get(_take_rows(stack, jax.device_put(local, _device(stack))))
     held = jax.tree_util.tree_map(lambda a: a[mine], taken)
   else:
-    held = jax.tree_util.tree_map(lambda a: a[rows[mine]], stack)
-  return exchange(held, owners(ids, local.num_clients, local.process_count), local.process_count)
+    held = jax.tree_util.tree_map(lambda a: a[local[mine]], stack)
+  return exchange(held, owners(rows, block.num, block.process_count), block.process_count)
 
 
-def store_states(stack: Any, new: Any, local: LocalClients, ids: np.ndarray,
-                 valid: np.ndarray, donate: bool = True) -> Any:
-  """The held stack with the held, valid participants' new states (leaves [m, ...]) written in:
-  numpy in place; on a device by one scatter that donates the stack unless not `donate`."""
-  rows = block_rows(local, ids, valid)
+def store_states(stack: Any, new: Any, block: StateBlock, rows: np.ndarray, valid: np.ndarray,
+                 donate: bool = True) -> Any:
+  """The held stack with the new states (leaves [m, ...]) of the held, valid slots' `rows`
+  written in: numpy in place; on a device by one scatter that donates the stack unless not
+  `donate`."""
+  local = block_rows(block, rows, valid)
   if _on_device(stack):
     device = _device(stack)
     # One process: `new` may be sharded over its devices (strategy 'shard'), gathered here;
@@ -261,12 +283,12 @@ def store_states(stack: Any, new: Any, local: LocalClients, ids: np.ndarray,
     new = jax.tree_util.tree_map(
         lambda b: jax.device_put(b if b.is_fully_addressable else b.addressable_shards[0].data,
                                  device), new)
-    return _PUT_ROWS[donate](stack, jax.device_put(rows, device), new)
-  put = rows < local.hi - local.lo
+    return _PUT_ROWS[donate](stack, jax.device_put(local, device), new)
+  put = local < block.hi - block.lo
   new = jax.device_get(new)
 
   def write(a, b):
-    a[rows[put]] = b[put]
+    a[local[put]] = b[put]
   jax.tree_util.tree_map(write, stack, new)
   return stack
 
@@ -281,16 +303,25 @@ def _device(stack: Any) -> jax.Device:
   return device
 
 
-def check_processes(num_clients: int, process_count: int, stateful: bool) -> None:
+def check_processes(num_clients: int, process_count: int, stateful: bool,
+                    cohorts: Sequence[Tuple[str, int]] = ()) -> None:
   """Raises before compute when `process_count` processes cannot divide the clients: each must
   hold one at least, and when the clients keep a state the same number (a checkpoint stores the
-  held states as one array cut evenly over the processes, `to_global`)."""
+  held states as one array cut evenly over the processes, `to_global`). With cohorts ((name,
+  size) each: each cohort's states are cut over the processes on their own, `StateBlock`), the
+  same of every cohort."""
   owned_range(num_clients, 0, process_count)
   if stateful and num_clients % process_count:
     raise ValueError(f"num_clients = {num_clients} is invalid for placement 'divided' on "
                      f'{process_count} processes with a client state: must be a multiple of the '
                      'process count (each process holds and checkpoints an equal block of '
                      'clients)')
+  for name, size in cohorts:
+    if size < process_count or (stateful and size % process_count):
+      need = 'a multiple of' if stateful else 'at least'
+      raise ValueError(f"cohort {name!r} of {size} clients is invalid for placement 'divided' on "
+                       f'{process_count} processes: its size must be {need} the process count '
+                       '(each process holds and checkpoints an equal block of every cohort)')
 
 
 def _process_sharding() -> jax.sharding.NamedSharding:

@@ -8,6 +8,7 @@ benchmark.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -69,31 +70,30 @@ CLIENT_STATES = ('device', 'host')
 
 
 def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: str = 'device',
-               *, init_fn: Callable | None = None, held: Tuple[int, int] | None = None
+               *, init_fn: Callable | None = None, process: Tuple[int, int] | None = None
                ) -> FedState:
   """Initial state: stacked client states and the server state, round 0.
 
   client_state='host' returns the client stacks as numpy arrays (computed on the CPU backend, so
   the accelerator never holds all C clients; same threefry draws, so the same numbers on CPU).
-  With `held` = (lo, hi) (placement 'divided' and `holds_block`, core/placement.py) only clients
-  lo .. hi - 1 are returned, sliced inside one jitted init so that an init that broadcasts one
-  client's state never builds the other rows; with client_state='device' they stay on the default
-  device (this process's first). init_fn(key) -> (clients, server) replaces
-  `algo.init(key, num_clients)` on the device path: `compiled_init` gives the same numbers as one
-  program.
+  With `process` = (index, count) (placement 'divided', core/placement.py) only that process's
+  block of each cohort's stack is returned (`state_blocks`), sliced inside one jitted init so
+  that an init that broadcasts one client's state never builds the other rows; with
+  client_state='device' they stay on the default device (this process's first).
+  init_fn(key) -> (clients, server) replaces `algo.init(key, num_clients)` on the device path:
+  `compiled_init` gives the same numbers as one program.
   """
   if client_state not in CLIENT_STATES:
     raise ValueError(f'client_state = {client_state!r} is invalid: must be one of {CLIENT_STATES}')
-  if held is not None and client_state == 'device':
-    lo, hi = held
-    clients, server = jax.jit(lambda k: _held_rows(algo.init(k, num_clients), lo, hi))(key)
+  held = functools.partial(_held_rows, algo, num_clients, process)
+  if process is not None and client_state == 'device':
+    clients, server = jax.jit(lambda k: held(algo.init(k, num_clients)))(key)
   elif client_state == 'host':
     with jax.default_device(jax.local_devices(backend='cpu')[0]):
-      if held is None:
+      if process is None:
         clients, server = algo.init(key, num_clients)
       else:
-        lo, hi = held
-        clients, server = jax.jit(lambda k: _held_rows(algo.init(k, num_clients), lo, hi))(key)
+        clients, server = jax.jit(lambda k: held(algo.init(k, num_clients)))(key)
     clients = jax.tree_util.tree_map(lambda a: np.array(a, copy=True), clients)
     # Through numpy, so that the server lands uncommitted on the default device below (an array
     # committed to one device cannot enter a round sharded over several).
@@ -109,9 +109,20 @@ def init_state(algo: Algorithm, key: jax.Array, num_clients: int, client_state: 
   return FedState(clients=clients, server=server, round=rnd)
 
 
-def _held_rows(init_out, lo: int, hi: int):
+def _held_rows(algo: Algorithm, num_clients: int, process: Tuple[int, int], init_out):
   clients, server = init_out
-  return jax.tree_util.tree_map(lambda a: a[lo:hi], clients), server
+  stacks = tuple(jax.tree_util.tree_map(lambda a, b=b: a[b.lo:b.hi], stack) for stack, b in
+                 zip(cohort_stacks(algo, clients), state_blocks(algo, num_clients, *process)))
+  return _unstack(algo, stacks), server
+
+
+def state_blocks(algo: Algorithm, num_clients: int, process_index: int, process_count: int
+                 ) -> Tuple[placement.StateBlock, ...]:
+  """Per cohort, the rows of its stack that process `process_index` holds under placement
+  'divided': each cohort's members (in member order) cut over the processes on their own, so
+  every process holds about 1/P of every cohort whatever the client ids."""
+  return tuple(placement.StateBlock.of(len(c.members), process_index, process_count)
+               for c in cohorts(algo, num_clients))
 
 
 def compiled_init(algo: Algorithm, num_clients: int) -> Callable:
@@ -388,9 +399,6 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
       raise ValueError(f"placement = 'divided' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads clients other than the round's participants; use "
                        "'replicated'")
-    if algo.cohorts and cfg.client_state == 'host':
-      raise ValueError(f"placement = 'divided' with client_state = 'host' is invalid for algorithm "
-                       f"{algo.name!r}: its clients are in cohorts; use client_state = 'device'")
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
@@ -419,8 +427,8 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
   as 'device') run on them, and their new states written back into the host arrays in place (the
   host counterpart of donation). The device then holds m participants' states, never C.
   With cfg.placement = 'divided' the step takes this process's `placement.LocalClients` in place of
-  `fed_data` (and, single-cohort (`holds_block`), `state.clients` holds its clients only, on the
-  host or the device as `client_state` says): a host-side wrapper
+  `fed_data` and `state.clients` holds its block of each cohort's clients only (`state_blocks`),
+  on the host or the device as `client_state` says: a host-side wrapper
   gathers the round's participants' rows and states from the processes that hold them and runs
   the same traced round on them (core/placement.py).
 
@@ -465,9 +473,9 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
                                          key=key)
     return server, new_sel, dict(metrics, **fault_metrics(cfg, slots, screened))
 
-  if holds_block(algo, cfg.placement):
-    return _divided_held_round_step(strategies.jit_replicated(participants),
-                                    strategies.jit_replicated(trained), donate)
+  if cfg.placement == 'divided':
+    return _divided_round_step(algo, num_clients, strategies.jit_replicated(participants),
+                               strategies.jit_replicated(trained), donate)
   if cfg.client_state == 'host':
     if algo.prepare is not None and algo.prepare.reads_clients:
       raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
@@ -482,10 +490,7 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     clients = _unstack(algo, _scatter(stacks, slots, new_sel))
     return FedState(clients=clients, server=server, round=state.round + 1), metrics
 
-  step = strategies.jit_replicated(round_step, donate_argnums=(0,) if donate else ())
-  if cfg.placement == 'divided':
-    return _divided_round_step(strategies.jit_replicated(participants), step)
-  return step
+  return strategies.jit_replicated(round_step, donate_argnums=(0,) if donate else ())
 
 
 def _round_data(local_clients: placement.LocalClients, ids: np.ndarray) -> FedData:
@@ -494,42 +499,28 @@ def _round_data(local_clients: placement.LocalClients, ids: np.ndarray) -> FedDa
   return strategies.replicate(data) if strategies.multi_process() else data
 
 
-def holds_block(algo: Algorithm, placement_name: str) -> bool:
-  """Whether each process holds only its block of the client states (placement 'divided', a
-  single cohort: `init_state(held=)`, `_divided_held_round_step`), in host memory or on its
-  device. Cohorts keep the device-resident stack of every client on every process (the data
-  still divides)."""
-  return placement_name == 'divided' and not algo.cohorts
-
-
-def _divided_round_step(participants: Callable, step: Callable) -> Callable:
-  """`round_step(state, local_clients, key)` of placement 'divided' for cohorts (device-resident
-  client state of every client): the participants' rows gathered from their owners, then the
-  'replicated' program."""
-  def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
-    ids = np.asarray(jax.device_get(participants(key)[0]))
-    return step(state, _round_data(local_clients, ids), key)
-  return round_step
-
-
-def _divided_held_round_step(participants: Callable, trained: Callable, donate: bool
-                             ) -> Callable:
-  """`round_step(state, local_clients, key)` of placement 'divided' with `holds_block`:
-  `state.clients` holds this process's clients only (leaves [hi - lo, ...], host numpy or on this
-  process's first device); the participants' stored states and rows are gathered from their
-  owners (one all-gather through the host, as 'host' moves them), the round run as with 'host',
-  and each process writes back the new states of the clients it holds (on a device, donating the
-  block when `donate`). Single cohort."""
+def _divided_round_step(algo: Algorithm, num_clients: int, participants: Callable,
+                        trained: Callable, donate: bool) -> Callable:
+  """`round_step(state, local_clients, key)` of placement 'divided': `state.clients` holds this
+  process's block of each cohort's stack only (`state_blocks`; leaves [hi - lo, ...], host numpy
+  or on this process's first device); the participants' stored states and rows are gathered from
+  their owners (one all-gather through the host, as 'host' moves them), the round run as with
+  'host', and each process writes back the new states of the clients it holds (on a device,
+  donating the block when `donate`)."""
   def round_step(state: FedState, local_clients: placement.LocalClients, key: jax.Array):
     ids, slots = jax.device_get(participants(key))
-    ids, (sl,) = np.asarray(ids), slots
-    sel = placement.participant_states(state.clients, local_clients, sl.ids)
-    sel = strategies.replicate((sel,)) if strategies.multi_process() else jax.device_put((sel,))
+    blocks = state_blocks(algo, num_clients, local_clients.process_index,
+                          local_clients.process_count)
+    stacks = cohort_stacks(algo, state.clients)
+    # An unfilled slot reads the cohort's last member, as the device round's clamped gather does.
+    rows = [np.minimum(sl.local, b.num - 1) for sl, b in zip(slots, blocks)]
+    sel = tuple(placement.participant_states(st, b, r) for st, b, r in zip(stacks, blocks, rows))
+    sel = strategies.replicate(sel) if strategies.multi_process() else jax.device_put(sel)
     server, new_sel, metrics = trained(state.replace(clients=None), sel,
-                                       _round_data(local_clients, ids), key)
-    clients = placement.store_states(state.clients, new_sel[0], local_clients, sl.ids, sl.valid,
-                                     donate)
-    return FedState(clients=clients, server=server, round=state.round + 1), metrics
+                                       _round_data(local_clients, np.asarray(ids)), key)
+    stacks = tuple(placement.store_states(st, new, b, r, sl.valid, donate)
+                   for st, new, b, r, sl in zip(stacks, new_sel, blocks, rows, slots))
+    return FedState(clients=_unstack(algo, stacks), server=server, round=state.round + 1), metrics
   round_step.device_program = trained
   return round_step
 

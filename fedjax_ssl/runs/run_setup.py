@@ -42,12 +42,12 @@ class InitialState:
     if self._init_fn is None and config.client_state == 'device':
       self._init_fn = rd.compiled_init(algo, config.num_clients)
     held = None
-    if rd.holds_block(algo, config.placement):
-      held = placement.owned_range(config.num_clients, jax.process_index(), jax.process_count())
+    if config.placement == 'divided':
+      held = (jax.process_index(), jax.process_count())
     try:
       state = rd.init_state(algo, self._key, config.num_clients,
                             client_state=config.client_state, init_fn=self._init_fn or None,
-                            held=held)
+                            process=held)
     except jax.errors.JAXTypeError as e:  # a Python-side init (concrete values): run it eagerly
       if not self._init_fn:
         raise
@@ -55,7 +55,7 @@ class InitialState:
                       str(e).splitlines()[0][:200])
       self._init_fn = False
       state = rd.init_state(algo, self._key, config.num_clients, client_state=config.client_state,
-                            held=held)
+                            process=held)
     # A held block differs per process: it stays this process's own (numpy, or its device).
     return state.replace(server=strategies.replicate(state.server),
                          round=strategies.replicate(state.round),
@@ -81,7 +81,9 @@ class Run:
     builds the round-0 state (`InitialState`); client_splits: with config.per_client_eval, each
     client's held-out test rows (`evaluation.client_test_splits`), else None; train_features:
     under placement 'divided' the training split's features from the rows this process holds
-    (`TrainFeatures`), else None (every process embeds dataset.train_x).
+    (`TrainFeatures`), else None (every process embeds dataset.train_x); client_blocks: under
+    placement 'divided' with personalised models, the block of each cohort's clients this process
+    holds and scores (`evaluation.evaluate`), else None.
   """
   config: ml_collections.ConfigDict
   rundir: RunDir
@@ -101,6 +103,17 @@ class Run:
   initial_state: InitialState
   client_splits: Optional[list]
   train_features: Optional['TrainFeatures'] = None
+  client_blocks: Optional[tuple[placement.StateBlock, ...]] = None
+
+  @property
+  def divided_evaluation(self) -> bool:
+    """Whether an evaluation gathers from every process (so each process must run it)."""
+    return self.train_features is not None or self.client_blocks is not None
+
+  @property
+  def evaluation_inputs(self) -> dict:
+    """`evaluation.evaluate`'s keyword arguments of a divided evaluation."""
+    return dict(train_features=self.train_features, client_blocks=self.client_blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,58 +181,61 @@ def drop_train_rows(run: Run) -> Run:
 
 
 def _divide(config, algo: Algorithm, dataset: Dataset, fed_data: Optional[FedData], info: dict,
-            initial_state: InitialState) -> placement.LocalClients:
+            initial_state: InitialState) -> tuple[placement.LocalClients, bool]:
   """This process's share of the clients under placement 'divided': read from the training split
   (`placement.divide_rows`: this process's rows only), or cut from the whole `fed_data` when the
-  clients train on unlabelled images. ConfigError before compute when the process count cannot
-  divide them, or the algorithm reads other clients before a round or (with host-resident state)
-  evaluates every client's model."""
+  clients train on unlabelled images; and whether the algorithm evaluates one model per client
+  (each process then scores the clients it holds). ConfigError before compute when the process
+  count cannot divide the clients (of every cohort), or the algorithm reads other clients before
+  a round."""
   try:
     rd.validate(experiment.round_config(config), config.num_clients, algo)
   except ValueError as e:
     raise cv.ConfigError(f'config.{e}') from None
   # This process's block of the initial state (1/P of it) tells whether the clients keep a state
-  # and whether evaluation reads every client; building it needs one client per process at least.
-  _check_processes(config, stateful=False)
+  # and whether evaluation scores each client's model; building it needs one client per process
+  # (of each cohort) at least.
+  _check_processes(config, algo, stateful=False)
   state = initial_state()
-  _check_processes(config, stateful=bool(jax.tree_util.tree_leaves(state.clients)))
-  if rd.holds_block(algo, config.placement) and algo.eval_variables(state)[1]:
-    raise cv.ConfigError(f"config.placement = 'divided' is invalid for algorithm "
-                         f"{config.algorithm!r}: its evaluation reads every client's model, and "
-                         "each process holds only its own clients'; use 'replicated'")
+  _check_processes(config, algo, stateful=bool(jax.tree_util.tree_leaves(state.clients)))
+  per_client = bool(algo.eval_variables(state)[1])
   del state
   if fed_data is not None:
-    return placement.divide(fed_data, jax.process_index(), jax.process_count())
+    return placement.divide(fed_data, jax.process_index(), jax.process_count()), per_client
   return placement.divide_rows(dataset.train_x, dataset.train_y, info['indices'],
-                               info['public_idx'], jax.process_index(), jax.process_count())
+                               info['public_idx'], jax.process_index(),
+                               jax.process_count()), per_client
 
 
-def _check_processes(config, stateful: bool) -> None:
+def _check_processes(config, algo: Algorithm, stateful: bool) -> None:
   try:
-    placement.check_processes(config.num_clients, jax.process_count(), stateful)
+    placement.check_processes(config.num_clients, jax.process_count(), stateful,
+                              [(c.name, len(c.members)) for c in algo.cohorts or ()])
   except ValueError as e:
     raise cv.ConfigError(f'{e} (--num_processes)') from None
 
 
 def checkpoint_form(run: Run, state: FedState, round_idx: int) -> FedState:
   """The state as the checkpoint of `round_idx` stores it: under placement 'divided' with a client
-  state (`_held`), the held rows as one array of all clients cut over the processes
+  state (`_held`), each cohort's held rows as one array of all its clients cut over the processes
   (each process writes its block), beside `round_idx` in every client's row (`stale_block`
   compares it on restore); otherwise the state itself."""
   if not _held(run, state.clients):
     return state
-  rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
-  held = {_STATES: state.clients, _BLOCK_ROUND: np.full([rows], round_idx, np.int32)}
-  return state.replace(clients=placement.to_global(held, run.config.num_clients))
+  return state.replace(clients=_per_cohort(run, state.clients, lambda stack, block: (
+      placement.to_global({_STATES: stack,
+                           _BLOCK_ROUND: np.full([block.hi - block.lo], round_idx, np.int32)},
+                          block.num))))
 
 
 def checkpoint_template(run: Run, state: FedState) -> FedState:
   """The template `checkpoint_form(state)` is restored into (cut for this run's processes)."""
   if not _held(run, state.clients):
     return state
-  rows = jax.tree_util.tree_leaves(state.clients)[0].shape[0]
-  held = {_STATES: state.clients, _BLOCK_ROUND: np.zeros([rows], np.int32)}
-  return state.replace(clients=placement.global_template(held, run.config.num_clients))
+  return state.replace(clients=_per_cohort(run, state.clients, lambda stack, block: (
+      placement.global_template({_STATES: stack,
+                                 _BLOCK_ROUND: np.zeros([block.hi - block.lo], np.int32)},
+                                block.num))))
 
 
 def stale_block(run: Run, round_idx: int, restored: FedState) -> str | None:
@@ -229,13 +245,16 @@ def stale_block(run: Run, round_idx: int, restored: FedState) -> str | None:
   reads back without error, so each client's row carries the round its block was saved at."""
   if not _held(run, restored.clients):
     return None
-  saved = placement.to_held(restored.clients[_BLOCK_ROUND])
-  wrong = np.flatnonzero(saved != round_idx)
-  if not wrong.size:
-    return None
-  lo, _ = placement.owned_range(run.config.num_clients, jax.process_index(), jax.process_count())
-  return (f'checkpoint of round {round_idx} holds a block of another checkpoint: clients '
-          f'{lo + wrong[0]}-{lo + wrong[-1]} were saved at round {saved[wrong[0]]}')
+  groups = rd.cohorts(run.algo, run.config.num_clients)
+  for cohort, form, block in zip(groups, rd.cohort_stacks(run.algo, restored.clients),
+                                 _blocks(run)):
+    saved = placement.to_held(form[_BLOCK_ROUND])
+    wrong = np.flatnonzero(saved != round_idx)
+    if wrong.size:
+      first, last = (cohort.members[block.lo + i] for i in (wrong[0], wrong[-1]))
+      return (f'checkpoint of round {round_idx} holds a block of another checkpoint: clients '
+              f'{first}-{last} were saved at round {saved[wrong[0]]}')
+  return None
 
 
 def from_checkpoint(run: Run, state: FedState) -> FedState:
@@ -243,7 +262,8 @@ def from_checkpoint(run: Run, state: FedState) -> FedState:
   one process the arrays are made uncommitted: orbax commits them to one device, which a 'shard'
   round over several devices refuses to mix with its mesh."""
   if _held(run, state.clients):
-    state = state.replace(clients=placement.to_held(state.clients[_STATES]))
+    state = state.replace(clients=_per_cohort(
+        run, state.clients, lambda form, block: placement.to_held(form[_STATES])))
     if run.config.client_state == 'device':  # back on this process's first device, as init puts it
       state = state.replace(clients=jax.tree_util.tree_map(jnp.asarray, state.clients))
   if strategies.multi_process():
@@ -264,15 +284,28 @@ def _uncommitted(tree):
   return jax.tree_util.tree_map(one, tree)
 
 
-# The keys of a divided checkpoint's client tree: the held states, and the round each row was saved at.
+# The keys of a divided checkpoint's client tree (one per cohort): the held states, and the round
+# each row was saved at.
 _STATES, _BLOCK_ROUND = 'states', 'block_round'
+
+
+def _blocks(run: Run) -> tuple[placement.StateBlock, ...]:
+  return rd.state_blocks(run.algo, run.config.num_clients, jax.process_index(),
+                         jax.process_count())
+
+
+def _per_cohort(run: Run, clients, fn: Callable) -> Any:
+  """`clients` with fn(stack, block) applied to each cohort's stack and this process's block of
+  it."""
+  out = tuple(fn(stack, block) for stack, block in
+              zip(rd.cohort_stacks(run.algo, clients), _blocks(run)))
+  return out if run.algo.cohorts else out[0]
 
 
 def _held(run: Run, clients) -> bool:
   """Whether `clients` (a state's, or a restored checkpoint's) is this process's block of the
-  client states (`rd.holds_block`), not empty."""
-  return (rd.holds_block(run.algo, run.config.placement)
-          and bool(jax.tree_util.tree_leaves(clients)))
+  client states (placement 'divided'), not empty."""
+  return run.config.placement == 'divided' and bool(jax.tree_util.tree_leaves(clients))
 
 
 def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
@@ -309,13 +342,18 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
     console.say(plan.text)
   init_key, run_key = experiment.run_keys(config)
   initial_state = InitialState(config, algo, init_key)
-  train_features = None
+  train_features = client_blocks = None
   if divided:
-    fed_data = _divide(config, algo, dataset, fed_data, info, initial_state)
+    fed_data, per_client = _divide(config, algo, dataset, fed_data, info, initial_state)
     whole = placement.federation_shapes(fed_data)  # message sizes: traced, no rows needed
-    train_features = TrainFeatures.build(fed_data, dataset, info)
+    if per_client:
+      client_blocks = rd.state_blocks(algo, config.num_clients, jax.process_index(),
+                                      jax.process_count())
+    else:
+      train_features = TrainFeatures.build(fed_data, dataset, info)
     if train_features is None and isinstance(dataset.train_x, Rows):
-      # Rows in no client: every process embeds the whole split (TrainFeatures.build).
+      # Rows in no client (TrainFeatures.build), or one model per client, scored on the whole
+      # split by the process holding it: every process keeps the split.
       dataset = dataclasses.replace(dataset, train_x=np.asarray(dataset.train_x))
   else:
     fed_data = whole = strategies.replicate(fed_data)
@@ -341,7 +379,7 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
              algo=algo, plan=plan, round_cfg=round_cfg, init_key=init_key, run_key=run_key,
              choice=choice, round_step=round_step, per_participant=per_participant,
              changes=changes, host=host, initial_state=initial_state, client_splits=splits,
-             train_features=train_features), state
+             train_features=train_features, client_blocks=client_blocks), state
 
 
 def _changes(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, allow_config_change: bool,

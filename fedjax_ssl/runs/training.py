@@ -143,7 +143,7 @@ def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, stop: signals.St
     refs = references(run, state, start, reference_cache=reference_cache)
   run = run_setup.drop_train_rows(run)
   outcome = train_rounds(run, ckpt, stop, state, start, refs, bar_position=bar_position)
-  if outcome.final is None and outcome.diverged is None and run.train_features is not None:
+  if outcome.final is None and outcome.diverged is None and run.divided_evaluation:
     # Resumed from the final checkpoint: a divided evaluation gathers from every process, so each
     # redoes it here, not process 0 alone in `report`.
     outcome = dataclasses.replace(outcome, final=_evaluate(run, outcome.state, config.rounds))
@@ -186,13 +186,13 @@ def references(run: Run, state: FedState, start: int, *, reference_cache: str | 
   the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
   the raw-pixel row (None unless `experiment.has_raw_pixel_reference`: the logistic probe or
   fine-tuning, not on the synthetic set). Every process evaluates, so that all of them reach
-  the next round's collectives together; under a divided evaluation (`run.train_features`, one
-  gather of the training features) with several processes, each evaluates the random-init row
+  the next round's collectives together; under a divided evaluation (`run.divided_evaluation`: one
+  gather of the training features or of the clients' scores) with several processes, each evaluates the random-init row
   rather than read a file one of them may not see yet."""
   config, console, rundir = run.config, run.console, run.rundir
   # A divided evaluation gathers from every process: each evaluates, whatever files one of them
   # sees (process 0 writes random_init.json and the shared cache while the others look).
-  collective = run.train_features is not None and strategies.multi_process()
+  collective = run.divided_evaluation and strategies.multi_process()
   if rundir.random_init_file.exists() and not run.changes and not collective:
     random_init = rundir.read_json(rundir.random_init_file)
     took = f'(from {rundir.random_init_file.name})'
@@ -202,7 +202,7 @@ def references(run: Run, state: FedState, start: int, *, reference_cache: str | 
         None if collective else reference_cache, 'random_init',
         lambda: experiment.evaluation_key(config, run.algo, initial, run.dataset),
         lambda: experiment.evaluate(config, run.algo, initial, run.dataset,
-                                    train_features=run.train_features),
+                                    **run.evaluation_inputs),
         writes=rundir.writes, console=console)
     rundir.write_json(rundir.random_init_file, random_init)
   console.say(f'round {0:>{len(str(config.rounds))}}/{config.rounds}  random-init encoder: '
@@ -348,10 +348,10 @@ def _evaluate(run: Run, state: FedState, round_idx: int) -> dict | None:
   config = run.config
   if round_idx == config.rounds:
     return experiment.evaluate(config, run.algo, _local(state), run.dataset,
-                               train_features=run.train_features)
+                               **run.evaluation_inputs)
   if config.eval_every and round_idx % config.eval_every == 0:
     return experiment.evaluate(config, run.algo, _local(state), run.dataset, probe=False,
-                               train_features=run.train_features)
+                               **run.evaluation_inputs)
   return None
 
 
@@ -374,7 +374,7 @@ def report(run: Run, outcome: Outcome, refs: References, *,
   final = outcome.final
   if final is None:  # resumed from the final checkpoint: evaluation is deterministic, redo it
     final = experiment.evaluate(config, algo, _local(outcome.state), run.dataset,
-                                train_features=run.train_features)
+                                **run.evaluation_inputs)
   if algo.host_metrics is not None:
     final.update(algo.host_metrics(outcome.state))
   per_client = None

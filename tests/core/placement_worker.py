@@ -4,15 +4,18 @@ tests.core.placement_worker OUT PLACEMENT NUM_PROCESSES PROCESS_ID [COORDINATOR]
 Runs two rounds of FedEMA (host-resident client state) on the equivalence tests' six clients, four
 a round, under strategy 'shard' over every process's devices, and writes what this process holds
 (client rows lo .. hi - 1, the server, the metrics, every client's rows gathered back) to OUT as
-.npz."""
+.npz; with two processes at most, the same of two rounds of cohorts (`_cohort_rounds`)."""
 import dataclasses
 import sys
 
 import jax
 import numpy as np
 
+from fedjax_ssl import configuration, evaluation
 from fedjax_ssl.core import placement, rng
 from fedjax_ssl.core import round as rd
+from fedjax_ssl.data import sources
+from tests.core import test_placement as tp
 from tests.core import test_round_equivalence as eq
 
 
@@ -38,7 +41,9 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
     state, metrics = step(state, data, rng.round_key(jax.random.PRNGKey(7), r))
     tree = jax.device_get({'clients': state.clients, 'server': state.server, 'metrics': metrics})
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-      rows[f'{r}{jax.tree_util.keystr(path)}'] = np.asarray(leaf)
+      rows[f'{r}{jax.tree_util.keystr(path)}'] = np.array(leaf, copy=True)  # host: written in place
+  if jax.device_count() <= 2:  # cohorts of 3 clients: a block for each of 2 processes at most
+    rows.update(_cohort_rounds(data, placement_, process_id, num_processes))
   # Every client's rows back on every process (the divided evaluation's gather of features): the
   # held rows' per-row sums stand for their features.
   held = np.asarray(jax.device_get(data.x), np.float32).reshape(len(data.x), -1).sum(axis=1)
@@ -46,6 +51,39 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
   np.savez(out, lo=lo, hi=hi, **rows)
   if num_processes > 1:
     jax.distributed.shutdown()
+
+
+def _cohort_rounds(data, placement_, process_id, num_processes):
+  """Two rounds of Hetero-SSFL without alignment (two cohorts of interleaved clients, 3 each):
+  device-resident personal models each process holds its block of, per cohort, under 'divided'
+  (`round.state_blocks`: 2 + 1 rows at P = 2); under 'replicated' host-resident (the divided
+  round's device program, so bit for bit). 'vmap': no cross-device sum."""
+  algo = tp.hetero_mu0()
+  divided = placement_ == 'divided'
+  cfg = dataclasses.replace(eq._round_cfg('vmap', 4, client_state='device' if divided else 'host'),
+                            placement=placement_)
+  step = rd.make_round_step(algo, cfg, eq.NUM_CLIENTS, donate=False)
+  state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state=cfg.client_state,
+                        process=(process_id, num_processes) if divided else None)
+  rows = {}
+  for b, block in enumerate(rd.state_blocks(algo, eq.NUM_CLIENTS, process_id,
+                                            num_processes if divided else 1)):
+    rows[f'cohort{b}_lo'], rows[f'cohort{b}_hi'] = block.lo, block.hi
+  for r in range(2):
+    state, metrics = step(state, data, rng.round_key(jax.random.PRNGKey(7), r))
+    tree = jax.device_get({'clients': state.clients, 'server': state.server, 'metrics': metrics})
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      rows[f'cohorts{r}{jax.tree_util.keystr(path)}'] = np.array(leaf, copy=True)  # host: in place
+  # Each process scores the personal models it holds (kNN on a small labelled set), one gather
+  # bringing every client's scores (`evaluation.evaluate(client_blocks=)`).
+  config = configuration.default_config()
+  config.knn_k = 3
+  dataset = sources.make_synthetic(num_train=40, num_test=12, image_shape=(8, 8, 1))
+  blocks = (rd.state_blocks(algo, eq.NUM_CLIENTS, process_id, num_processes) if divided else
+            None)
+  scores = evaluation.evaluate(config, algo, state, dataset, probe=False, client_blocks=blocks)
+  rows.update({f'eval/{k}': np.asarray(v) for k, v in scores.items()})
+  return rows
 
 
 if __name__ == '__main__':

@@ -2,15 +2,18 @@
 participants' rows gathered from their owners equals the round on the whole data. Two processes
 against one: tests/core/test_scale.py."""
 import dataclasses
+import functools
 import sys
 
 import jax
 import numpy as np
 import pytest
 
+from fedjax_ssl.algorithms import hetero_ssfl
 from fedjax_ssl.core import placement, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Prepare
+from tests.algorithms import test_hetero_ssfl as th
 from tests.core import test_round_equivalence as eq
 from tests.core import test_scale
 
@@ -57,14 +60,14 @@ def test_the_participants_data_holds_their_padded_views():
 
 
 def _rounds(name, placement_, client_state, rounds=2):
-  algo, _ = eq._algo(name)
+  algo = hetero_mu0() if name == 'hetero_ssfl' else eq._algo(name)[0]
   fed = eq._data()
   cfg = dataclasses.replace(eq._round_cfg('vmap', 4, client_state=client_state),
                             placement=placement_)
   step = rd.make_round_step(algo, cfg, eq.NUM_CLIENTS, donate=False)
   divided = placement_ == 'divided'
   state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state=client_state,
-                        held=(0, eq.NUM_CLIENTS) if divided else None)
+                        process=(0, 1) if divided else None)
   data = placement.divide(fed, 0, 1) if divided else fed
   out = []
   for r in range(rounds):
@@ -90,6 +93,44 @@ def test_a_divided_round_equals_the_replicated_round_bit_for_bit(name, client_st
   for r, (g, w) in enumerate(zip(got, want)):
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
+
+
+@functools.lru_cache(maxsize=None)
+def hetero_mu0():
+  """Hetero-SSFL without alignment (mu = 0): two cohorts (architectures) of interleaved clients,
+  device-resident personal models, nothing read from other clients before a round."""
+  return hetero_ssfl.make(th.SPECS, th.MEMBERS, rad_size=th.RAD, mu=0.0)
+
+
+# Cohorts: each cohort's stack is cut over the processes on its own (`round.state_blocks`); with
+# one process its block is the whole stack, and the round reads and writes the same rows as the
+# host-resident replicated round.
+@pytest.mark.parametrize('client_state', ['host', 'device'])
+def test_a_divided_cohort_round_equals_the_replicated_round_bit_for_bit(client_state):
+  want = _rounds('hetero_ssfl', 'replicated', 'host')
+  got = _rounds('hetero_ssfl', 'divided', client_state)
+  for r, (g, w) in enumerate(zip(got, want)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'round {r}')
+
+
+def test_state_blocks_cut_each_cohort_on_its_own():
+  algo = hetero_mu0()  # cohorts (0, 2, 3) and (1, 4, 5)
+  assert [[(b.lo, b.hi, b.num) for b in rd.state_blocks(algo, eq.NUM_CLIENTS, p, 2)]
+          for p in range(2)] == [[(0, 2, 3), (0, 2, 3)], [(2, 3, 3), (2, 3, 3)]]
+  block = placement.StateBlock.of(3, 1, 2)
+  np.testing.assert_array_equal(placement.block_rows(block, np.array([0, 2, 2, 1]),
+                                                     np.array([True, True, False, True])),
+                                [1, 0, 1, 1])
+  with pytest.raises(ValueError, match="cohort 'mlp' of 3 clients is invalid for placement "
+                                       "'divided' on 2 processes: its size must be a multiple of "
+                                       'the process count'):
+    placement.check_processes(6, 2, True, [('cnn', 4), ('mlp', 3)])
+  with pytest.raises(ValueError, match="cohort 'cnn' of 3 clients is invalid for placement "
+                                       "'divided' on 4 processes: its size must be at least the "
+                                       'process count'):
+    placement.check_processes(8, 4, False, [('cnn', 3), ('mlp', 5)])
+  placement.check_processes(8, 2, True, [('cnn', 4), ('mlp', 4)])
 
 
 def test_divided_refuses_a_prepare_that_reads_other_clients():
@@ -128,17 +169,27 @@ def test_processes_holding_a_block_of_clients_each_equal_one_process(tmp_path, p
   of one device do (ENG-94: 157 of 171 leaves differ after two rounds, by at most 1.8e-5, the loss
   by 2e-7 relative), so P = 4 is held to rtol 1e-3 / atol 1e-4, about 5x the measured spread.
   `placement.gather_rows` brings every client's rows back to every process, in the whole
-  federation's order (exact at any P: rows are moved, never summed)."""
+  federation's order (exact at any P: rows are moved, never summed). At P = 2 also Hetero-SSFL's
+  two cohorts of 3 (`placement_worker._cohort_rounds`): each process holds its block of each
+  cohort's personal models (2 + 1 rows), bit for bit."""
   (one,) = _workers(tmp_path, 'replicated', 1, processes)
   divided = _workers(tmp_path, 'divided', processes, 1)
   assert [(int(t['lo']), int(t['hi'])) for t in divided] == blocks
+  cohort_blocks = [[(int(t[f'cohort{b}_lo']), int(t[f'cohort{b}_hi'])) for b in range(2)]
+                   for t in divided if 'cohort0_lo' in t]
+  assert cohort_blocks == ([[(0, 2), (0, 2)], [(2, 3), (2, 3)]] if processes == 2 else [])
   for t in divided:
     lo, hi = int(t['lo']), int(t['hi'])
     assert t.keys() == one.keys()
     for k in t:
-      if k in ('lo', 'hi'):
+      if k in ('lo', 'hi') or k.endswith(('_lo', '_hi')):
         continue
-      want = one[k][lo:hi] if "['clients']" in k else one[k]
+      want = one[k]
+      if k.startswith('cohorts') and "['clients']" in k:  # this process's block of a cohort
+        b = int(k.split("['clients'][")[1][0])
+        want = want[int(t[f'cohort{b}_lo']):int(t[f'cohort{b}_hi'])]
+      elif "['clients']" in k:
+        want = want[lo:hi]
       if processes == 2 or k == 'gathered':
         np.testing.assert_array_equal(t[k], want, err_msg=k)
       else:

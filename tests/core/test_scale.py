@@ -211,21 +211,6 @@ def test_two_processes_equal_one_process_and_resume(tmp_path):
   assert _records(tmp_path / 'two') == got
 
 
-def test_device_resident_state_divided_equals_host_resident_and_resumes(tmp_path):
-  """placement 'divided' with client_state 'device': the held block on the device (one gather and
-  one donated scatter a round) runs the host path's program, so the metrics equal host-resident
-  state's bit for bit; its checkpoint (the block stamped with its round) resumes exactly."""
-  from fedjax_ssl.runs import training as train
-  train.train_and_evaluate(_config(placement='divided'), str(tmp_path / 'host'), verbose=False)
-  device = _config(placement='divided', client_state='device')
-  train.train_and_evaluate(device, str(tmp_path / 'device'), verbose=False)
-  got = _records(tmp_path / 'device')
-  assert got == _records(tmp_path / 'host') and [r['round'] for r in got] == [0, 1, 2]
-  shutil.rmtree(tmp_path / 'device' / 'checkpoints' / '2')
-  train.train_and_evaluate(device, str(tmp_path / 'device'), verbose=False)
-  assert _records(tmp_path / 'device') == got
-
-
 def _subset_as_idx(directory: pathlib.Path) -> dict:
   """The shipped subset written as gzipped IDX files (test_data_sources' writer): the config keys
   of a run that reads them, whose divided training split is read row by row (types.Rows)."""
@@ -244,7 +229,7 @@ def test_two_processes_holding_half_the_clients_each_equal_one_process_and_resum
   """placement 'divided' (core/placement.py): process 0 holds clients 0-1 (their rows, read from
   the subset's IDX files row by row, and their
   states on its device: host-resident state runs the same program, bit for bit,
-  `test_device_resident_state_divided_equals_host_resident_and_resumes`), process 1 clients 2-3,
+  tests/core/test_placement.py), process 1 clients 2-3,
   one device each; each saves its block of the checkpoint. The metrics equal
   a one-process run's to the float rounding of the cross-device sums (2 devices against the
   session's 4: the server average adds its terms in another order, ~1e-7 relative). Four

@@ -1,5 +1,6 @@
 """fedjax_ssl.runs.training in process: the config checked before any data, several runs in one
 process. The binary around it: tests/experiments/test_train_binary.py."""
+import json
 import logging
 import re
 
@@ -77,13 +78,36 @@ def test_a_measured_run_records_each_convolutions_choice(tmp_path, monkeypatch):
     assert entry['impl'] in entry['seconds'] and entry['source'] == 'measured'
 
 
+def test_personal_models_in_cohorts_divided_score_as_replicated_and_resume(tmp_path):
+  """placement 'divided' with one model per client in two cohorts (Hetero-SSFL without alignment,
+  a small CNN and an MLP, device-resident): each process holds its block of each cohort's models
+  (`round.state_blocks`), scores them, one gather bringing every client's scores
+  (evaluation.evaluate(client_blocks=)), and checkpoints each cohort's block (two processes:
+  tests/core/test_placement.py). With one process, the same records as 'replicated' with
+  host-resident state (the same device program), and its checkpoint resumes exactly."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
+  records = {}
+  for placement_, client_state in (('replicated', 'host'), ('divided', 'device')):
+    config = tiny_config(algorithm='hetero_ssfl', ssl_method='simclr', num_clients=4,
+                         clients_per_round=3, rounds=2, placement=placement_,
+                         client_state=client_state)
+    config.hetero_ssfl.update(mix='small_cnn:2,mlp:2', mu=0.0)
+    workdir = tmp_path / placement_
+    final = train.train_and_evaluate(config, str(workdir), verbose=False)['final']
+    records[placement_] = (_records(workdir), final)
+  assert records['divided'] == records['replicated']
+  assert 'knn_acc_small_cnn' in records['divided'][1]
+  shutil.rmtree(tmp_path / 'divided' / 'checkpoints' / '2')
+  final = train.train_and_evaluate(config, str(tmp_path / 'divided'), verbose=False)['final']
+  assert (_records(tmp_path / 'divided'), final) == records['replicated']
+
+
+def _records(workdir):
+  return [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+
+
 @pytest.mark.parametrize('overrides,message', [
-    (dict(algorithm='independent', ssl_method='simclr', client_state='host'),
-     "config.placement = 'divided' is invalid for algorithm 'independent': its evaluation reads "
-     "every client's model, and each process holds only its own clients'; use 'replicated'"),
-    (dict(algorithm='independent', ssl_method='simclr', client_state='device'),
-     "config.placement = 'divided' is invalid for algorithm 'independent': its evaluation reads "
-     "every client's model"),
     (dict(algorithm='fedsc', ssl_method='sc', client_state='host'),
      "config.placement = 'divided' is invalid for algorithm 'fedsc': its `prepare` reads clients "
      "other than the round's participants; use 'replicated'"),
