@@ -207,15 +207,10 @@ def _check_placement(config: ml_collections.ConfigDict) -> None:
   cv.check_choice('placement', config.placement, placement.PLACEMENTS)
   if config.placement != 'divided':
     return
-  for key, on, why in (
-      ('per_client_eval', config.per_client_eval, "each client's held-out split is scored from "
-       "every client's rows"),
-      ('fedbuff.enabled', config.fedbuff.enabled, 'its pending updates and clock are one state of '
-       'all clients')):
-    if on:
-      raise cv.ConfigError(f"config.placement = 'divided' is invalid with config.{key} = "
-                           f"{config[key] if '.' not in key else True!r}: {why}; use "
-                           "'replicated'")
+  if config.fedbuff.enabled:
+    raise cv.ConfigError("config.placement = 'divided' is invalid with config.fedbuff.enabled = "
+                         'True: its pending updates and clock are one state of all clients; use '
+                         "'replicated'")
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 from fedjax_ssl import algorithms
 from fedjax_ssl import config_validation as cv
@@ -463,8 +464,8 @@ def _classifier_correct(algo: Algorithm, variables: Any, dataset: Dataset) -> np
 
 
 def per_client_results(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState,
-                       dataset: Dataset, fed_data: FedData, splits: List[np.ndarray]
-                       ) -> tuple:
+                       dataset: Dataset, fed_data: FedData | placement.LocalClients,
+                       splits: List[np.ndarray]) -> tuple:
   """Every client's own model (`client_models`) and the global model (where the algorithm
   evaluates one) scored on the client's held-out split (`client_test_splits`) and on the whole
   test set (docs/notes/evaluation.md#eval-25).
@@ -474,6 +475,10 @@ def per_client_results(config: ml_collections.ConfigDict, algo: Algorithm, state
   the scored model's features, and, for a model with a classifier, its own predictions
   ('test_acc').
 
+  Under placement 'divided' `fed_data` is this process's `placement.LocalClients` and `state`
+  holds its block of the clients' states (a single cohort: a client's rows and model on one
+  process): each process scores the clients it holds and one gather brings every client's entry.
+
   Returns:
     (per_client, summary): results.json's 'per_client' list, one entry per client in id order,
     {'client', 'n_train', 'n_test', 'own': {'split': {score: acc}, 'test': {...}} (clients with a
@@ -481,24 +486,47 @@ def per_client_results(config: ml_collections.ConfigDict, algo: Algorithm, state
     clients (`per_client.summary`: '<score>_<model>_<data>_<stat>').
   """
   variables, per_client = algo.eval_variables(state)
-  x, y = np.asarray(fed_data.x), np.asarray(fed_data.y)
-  rows = [slice(int(o), int(o) + int(n)) for o, n in zip(np.asarray(fed_data.offsets),
-                                                         np.asarray(fed_data.n))]
+  local = fed_data if isinstance(fed_data, placement.LocalClients) else None
+  if local is not None and algo.cohorts:
+    raise ValueError(f'{algo.name}: per-client results under placement \'divided\' need a '
+                     "single cohort (a cohort's models are cut by member, its rows by client id)")
+  lo = local.lo if local is not None else 0
+  x, y, n = np.asarray(fed_data.x), np.asarray(fed_data.y), np.asarray(fed_data.n)
+  # The held clients lo, lo + 1, ...: their rows in `x` (a LocalClients' offsets are its own).
+  rows = {lo + i: slice(int(o), int(o) + int(n[lo + i]))
+          for i, o in enumerate(np.asarray(fed_data.offsets))}
   every = np.arange(len(dataset.test_y))
-  queries = [{'split': s, 'test': every} for s in splits]
-  entries = [{'client': c, 'n_train': int(r.stop - r.start), 'n_test': int(splits[c].size)}
-             for c, r in enumerate(rows)]
+  queries = {c: {'split': splits[c], 'test': every} for c in rows}
+  entries = {c: {'client': c, 'n_train': int(r.stop - r.start), 'n_test': int(splits[c].size)}
+             for c, r in rows.items()}
   if not per_client:
     test_f = (encoder_features(algo, variables, False, dataset.test_x, dataset)
               if config.knn_k > 0 else None)
     test_correct = (_classifier_correct(algo, variables, dataset)
                     if algo.classifier_apply is not None else None)
-    for c, r in enumerate(rows):
+    for c, r in rows.items():
       entries[c]['global'] = _model_scores(config, algo, variables, dataset, x[r], y[r],
                                            queries[c], test_f, test_correct)
   for group_algo, stacked, members in client_models(algo, state):
-    for i, c in enumerate(members):
+    for i, m in enumerate(members):  # under 'divided' the held block's rows: clients lo + i
+      c = lo + int(m)
       mine = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
       entries[c]['own'] = _model_scores(config, group_algo, mine, dataset, x[rows[c]],
                                         y[rows[c]], queries[c])
-  return entries, fs_per_client.summary(entries)
+  listed = [entries[c] for c in sorted(entries)]
+  if local is not None and local.process_count > 1:
+    listed = _gather_entries(listed, local.process_count)
+  return listed, fs_per_client.summary(listed)
+
+
+def _gather_entries(entries: List[dict], process_count: int) -> List[dict]:
+  """Every process's entries (its clients', in id order), concatenated in process order (= client
+  id order): each process's list as JSON bytes, one all-gather of the sizes and one of the bytes
+  (`placement.exchange`, bytes moved, never summed; floats round-trip exactly through JSON)."""
+  blob = np.frombuffer(json.dumps(entries, default=float).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([blob.size], np.int64))).ravel()
+  owner = np.repeat(np.arange(process_count), sizes)
+  data = np.asarray(placement.exchange(blob, owner, process_count)).tobytes()
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  return [e for p in range(process_count)
+          for e in json.loads(data[bounds[p]:bounds[p + 1]].decode())]

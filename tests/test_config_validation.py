@@ -264,9 +264,6 @@ def test_strategy_participant_error_is_a_config_error():
 def test_divided_placement_refuses_what_reads_every_client():
   _invalid("config.placement = 'spread' is invalid: must be one of ['replicated', 'divided']",
            placement='spread')
-  _invalid("config.placement = 'divided' is invalid with config.per_client_eval = True: each "
-           "client's held-out split is scored from every client's rows; use 'replicated'",
-           placement='divided', per_client_eval=True)
   config = _cfg(placement='divided')
   config.fedbuff.enabled = True
   _raises(lambda: experiment.validate_config(config),

@@ -14,6 +14,7 @@ import pytest
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl import evaluation, experiment
 from fedjax_ssl.runs import training
+from fedjax_ssl.core import placement
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import partition
 from fedjax_ssl.eval import per_client
@@ -137,9 +138,33 @@ def test_one_clients_scores_equal_a_direct_computation(algorithm):
   assert summary == per_client.summary(entries)
 
 
+@pytest.mark.parametrize('algorithm', ['independent', 'fedavg'])
+def test_divided_blocks_score_their_clients_as_the_whole_federation(algorithm, monkeypatch):
+  """Placement 'divided': each process scores the clients it holds (their rows, and with personal
+  models their block of states); in process order the entries are the whole federation's. The
+  gather (`_gather_entries`, one all-gather) is run across processes by
+  tests/core/placement_worker.py; here each of 2 blocks is scored in turn."""
+  config = _config(algorithm=algorithm, ssl_method='simclr', num_clients=4, clients_per_round=4)
+  dataset, fed, info = _federation(config)
+  splits = evaluation.client_test_splits(config, dataset, info['histogram'])
+  algo = experiment.build_algorithm(config, dataset, client_sizes=np.asarray(fed.n))
+  key = experiment.run_keys(config)[0]
+  want, _ = evaluation.per_client_results(
+      config, algo, rd.init_state(algo, key, 4), dataset, fed, splits)
+  monkeypatch.setattr(evaluation, '_gather_entries', lambda entries, count: entries)
+  got = []
+  for p in range(2):
+    local = placement.divide(fed, p, 2)
+    state = rd.init_state(algo, key, 4, client_state='host', process=(p, 2))
+    got += evaluation.per_client_results(config, algo, state, dataset, local, splits)[0]
+  assert got == want
+
+
 def test_results_json_carries_the_per_client_list(tmp_path):
+  # Host-resident state: the program a divided run uses too (below), so the numbers are equal.
   config = _config(algorithm='independent', ssl_method='simclr', dataset='synthetic',
-                   train_size=400, num_clients=4, clients_per_round=4, knn_k=10)
+                   train_size=400, num_clients=4, clients_per_round=4, knn_k=10,
+                   client_state='host')
   results = training.train_and_evaluate(config, str(tmp_path), verbose=False)
   stored = json.loads((tmp_path / 'results.json').read_text())
   assert stored['per_client'] == results['per_client']
@@ -152,6 +177,11 @@ def test_results_json_carries_the_per_client_list(tmp_path):
   assert sum(e['n_train'] for e in entries) == 400
   summary = per_client.summary(entries)
   assert summary and all(stored['final'][k] == v for k, v in summary.items())
+  # Placement 'divided' (one process): the same list, scored from the held block.
+  divided = config.copy_and_resolve_references()
+  divided.placement = 'divided'
+  training.train_and_evaluate(divided, str(tmp_path / 'divided'), verbose=False)
+  assert json.loads((tmp_path / 'divided' / 'results.json').read_text())['per_client'] == entries
 
 
 def test_too_small_clients_are_refused_in_one_line_before_any_compute(tmp_path, monkeypatch):

@@ -200,6 +200,11 @@ def _divide(config, algo: Algorithm, dataset: Dataset, fed_data: Optional[FedDat
   _check_processes(config, algo, stateful=bool(jax.tree_util.tree_leaves(state.clients)))
   per_client = bool(algo.eval_variables(state)[1])
   del state
+  if config.per_client_eval and algo.cohorts:
+    raise cv.ConfigError(f"config.per_client_eval = True is invalid for algorithm "
+                         f"{config.algorithm!r} under placement 'divided': a client's model is "
+                         "held by its cohort's block, its rows by its id's block; use "
+                         "'replicated'")
   if fed_data is not None:
     return placement.divide(fed_data, jax.process_index(), jax.process_count()), per_client
   return placement.divide_rows(dataset.train_x, dataset.train_y, info['indices'],

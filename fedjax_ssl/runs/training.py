@@ -147,6 +147,10 @@ def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, stop: signals.St
     # Resumed from the final checkpoint: a divided evaluation gathers from every process, so each
     # redoes it here, not process 0 alone in `report`.
     outcome = dataclasses.replace(outcome, final=_evaluate(run, outcome.state, config.rounds))
+  if config.per_client_eval and config.placement == 'divided' and outcome.diverged is None:
+    # Each process scores the clients it holds and the entries are gathered: every process runs it.
+    outcome = dataclasses.replace(outcome, per_client=evaluation.per_client_results(
+        config, run.algo, _local(outcome.state), run.dataset, run.fed_data, run.client_splits))
   if not rundir.writes:  # another process than 0: process 0 reports
     return {'status': 'diverged' if outcome.diverged is not None else 'completed'}
   if outcome.diverged is not None:
@@ -224,14 +228,16 @@ def references(run: Run, state: FedState, start: int, *, reference_cache: str | 
 class Outcome:
   """What `train_rounds` ends with: the last state, the metrics writer, the final evaluation (None
   when the run resumed from its final checkpoint), this process's first round's compile times and
-  its age when that round started (`compilation.process_age`; None when no round ran), and, when a
-  round diverged, that results dict."""
+  its age when that round started (`compilation.process_age`; None when no round ran), when a
+  round diverged, that results dict, and under placement 'divided' the per-client results
+  (`evaluation.per_client_results`, gathered from every process)."""
   state: FedState
   writer: logging_utils.MetricsWriter
   final: dict | None = None
   compile_times: compilation.CompileTimes | None = None
   process_age: float | None = None
   diverged: dict | None = None
+  per_client: tuple | None = None
 
 
 def train_rounds(run: Run, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals,
@@ -379,7 +385,7 @@ def report(run: Run, outcome: Outcome, refs: References, *,
     final.update(algo.host_metrics(outcome.state))
   per_client = None
   if config.per_client_eval:  # issue 69: the list for results.json, the spread into `final`
-    per_client, spread = evaluation.per_client_results(
+    per_client, spread = outcome.per_client or evaluation.per_client_results(
         config, algo, _local(outcome.state), run.dataset, run.fed_data, run.client_splits)
     final.update(spread)
   outcome.writer.close()

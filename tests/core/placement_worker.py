@@ -48,6 +48,12 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
   # held rows' per-row sums stand for their features.
   held = np.asarray(jax.device_get(data.x), np.float32).reshape(len(data.x), -1).sum(axis=1)
   rows['gathered'] = (placement.gather_rows(held, data) if placement_ == 'divided' else held)
+  # Per-client results' entries (evaluation._gather_entries: JSON bytes, one all-gather), uneven
+  # in length across processes: every client's, in id order.
+  entries = [{'client': c, 'score': c / 3, 'ids': list(range(c))} for c in range(lo, hi)]
+  if placement_ == 'divided':
+    entries = evaluation._gather_entries(entries, num_processes)
+  rows['entries'] = np.array([[e['client'], e['score'], len(e['ids'])] for e in entries])
   np.savez(out, lo=lo, hi=hi, **rows)
   if num_processes > 1:
     jax.distributed.shutdown()
