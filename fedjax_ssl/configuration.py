@@ -202,8 +202,8 @@ def _check_per_client_eval(config: ml_collections.ConfigDict) -> None:
 def _check_placement(config: ml_collections.ConfigDict) -> None:
   """config.placement is known, and 'divided' is not combined with what reads every client's data
   or state on each process. The process count is checked when the run starts
-  (`placement.check_processes`), and the algorithm's pre-round step when it is built
-  (runs/run_setup.py)."""
+  (`placement.check_processes`), and the algorithm's pre-round step and per-client results of
+  cohorts when it is built (runs/run_setup.py)."""
   cv.check_choice('placement', config.placement, placement.PLACEMENTS)
   if config.placement != 'divided':
     return

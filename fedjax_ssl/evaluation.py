@@ -71,8 +71,11 @@ def evaluate(config: ml_collections.ConfigDict, algo: Algorithm, state: FedState
   if train_features is not None:
     raise ValueError(f'{algo.name}: train_features serves a shared encoder; this algorithm '
                      'evaluates one encoder per client')
+  # Every client's model (a held block under 'divided': the federation's size is the block's num).
+  num_models = (client_blocks[0].num if client_blocks is not None else
+                len(jax.tree_util.tree_leaves(variables)[0]))
   groups = (tuple(zip(algo.cohorts, variables)) if algo.cohorts else
-            ((rd.cohorts(algo, len(jax.tree_util.tree_leaves(variables)[0]))[0], variables),))
+            ((rd.cohorts(algo, num_models)[0], variables),))
   if encoders is not None and len(encoders) != len(groups):
     raise ValueError(f'{algo.name} evaluates {len(groups)} cohorts but the config names '
                      f'{len(encoders)} encoders: fine-tuning needs one per cohort')

@@ -5,8 +5,10 @@
   (strategies.py).
 * 'divided': the C clients are cut into P contiguous blocks, block p held by process p
   (`owned_range`): its clients' rows (`LocalClients`) and their stored states, in host memory
-  (`client_state='host'`: numpy) or on the process's first device (`'device'`). A process's
-  resident client data and state are about 1/P of the whole.
+  (`client_state='host'`: numpy) or on the process's first device (`'device'`); with cohorts
+  each cohort's stack is cut on its own, by member rank (`StateBlock`, `round.state_blocks`), so
+  a client's state and rows may sit on different processes. A process's resident client data
+  and state are about 1/P of the whole.
 
 Under 'divided' each round's participants reach every process by one JAX all-gather
 (`exchange`, `multihost_utils.process_allgather`) of the rows their owners hold; the round then
@@ -318,10 +320,11 @@ def check_processes(num_clients: int, process_count: int, stateful: bool,
                      'clients)')
   for name, size in cohorts:
     if size < process_count or (stateful and size % process_count):
-      need = 'a multiple of' if stateful else 'at least'
+      need, why = (('a multiple of', 'holds and checkpoints an equal block') if stateful else
+                   ('at least', 'holds a block'))
       raise ValueError(f"cohort {name!r} of {size} clients is invalid for placement 'divided' on "
                        f'{process_count} processes: its size must be {need} the process count '
-                       '(each process holds and checkpoints an equal block of every cohort)')
+                       f'(each process {why} of every cohort)')
 
 
 def _process_sharding() -> jax.sharding.NamedSharding:

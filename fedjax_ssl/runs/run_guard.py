@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 
 import numpy as np
 
@@ -97,6 +98,44 @@ class Peers:
   def describe(self, processes: list[int]) -> str:
     """'process 1 (pid 4242 on host h)', joined with ', '."""
     return ', '.join(f'process {p} (pid {self.pids[p]} on {self.hosts[p]})' for p in processes)
+
+
+class PeerWatch:
+  """Watches this host's other processes of the run from a daemon thread, every `interval`
+  seconds: one that stopped calls `on_lost(processes)` (which ends this process with one line).
+
+  A collective with a dead peer normally fails at once (gloo sees the closed connection), but one
+  that never sees it waits until the coordination service's heartbeat timeout, which aborts the
+  interpreter with a stack dump (docs/notes/engine.md#eng-88). Peers on other hosts are left to
+  the collective. `stop()` once this process has reached its last collective: a peer that
+  finished its run and exited is not lost."""
+
+  def __init__(self, peers: Peers, on_lost, interval: float = 1.0):
+    self._peers, self._on_lost, self._interval = peers, on_lost, interval
+    self._stopped = threading.Event()
+    self._ending = threading.Lock()  # held by whichever path ends this process for a lost peer
+    self._thread = threading.Thread(target=self._loop, name='peer-watch', daemon=True)
+    self._thread.start()
+
+  def _loop(self) -> None:
+    here = socket.gethostname()
+    mine = [p for p, (host, pid) in enumerate(zip(self._peers.hosts, self._peers.pids))
+            if host == here and pid != os.getpid()]
+    while not self._stopped.wait(self._interval):
+      lost = [p for p in mine if not _running(self._peers.pids[p])]
+      if lost and not self._stopped.is_set() and self._ending.acquire(blocking=False):
+        self._on_lost(lost)
+        return
+
+  def stop(self) -> None:
+    self._stopped.set()
+
+  def end_here(self) -> None:
+    """Called by the main thread before it ends this process for a lost peer (a failed
+    collective): if the watch's own end already began, waits for it (one line, not two)."""
+    self.stop()
+    if not self._ending.acquire(blocking=False):
+      threading.Event().wait()  # the watch's `on_lost` exits the process
 
 
 def _running(pid: int) -> bool:

@@ -80,8 +80,9 @@ class Run:
     host the run started on (`numerics.numerics_host`), recorded in strategy.json; initial_state:
     builds the round-0 state (`InitialState`); client_splits: with config.per_client_eval, each
     client's held-out test rows (`evaluation.client_test_splits`), else None; train_features:
-    under placement 'divided' the training split's features from the rows this process holds
-    (`TrainFeatures`), else None (every process embeds dataset.train_x); client_blocks: under
+    under placement 'divided' with a shared encoder the training split's features from the rows
+    this process holds (`TrainFeatures`), else None (every process embeds dataset.train_x;
+    None also where some rows are in no client or the images are unlabelled); client_blocks: under
     placement 'divided' with personalised models, the block of each cohort's clients this process
     holds and scores (`evaluation.evaluate`), else None.
   """
@@ -186,8 +187,8 @@ def _divide(config, algo: Algorithm, dataset: Dataset, fed_data: Optional[FedDat
   (`placement.divide_rows`: this process's rows only), or cut from the whole `fed_data` when the
   clients train on unlabelled images; and whether the algorithm evaluates one model per client
   (each process then scores the clients it holds). ConfigError before compute when the process
-  count cannot divide the clients (of every cohort), or the algorithm reads other clients before
-  a round."""
+  count cannot divide the clients (of every cohort), the algorithm reads other clients before a
+  round, or per-client results are asked of cohorts."""
   try:
     rd.validate(experiment.round_config(config), config.num_clients, algo)
   except ValueError as e:
@@ -256,9 +257,11 @@ def stale_block(run: Run, round_idx: int, restored: FedState) -> str | None:
     saved = placement.to_held(form[_BLOCK_ROUND])
     wrong = np.flatnonzero(saved != round_idx)
     if wrong.size:
-      first, last = (cohort.members[block.lo + i] for i in (wrong[0], wrong[-1]))
+      ids = [cohort.members[block.lo + i] for i in wrong]
+      named = (f'{ids[0]}-{ids[-1]}' if ids == list(range(ids[0], ids[-1] + 1)) else
+               ', '.join(map(str, ids[:8])) + (', ...' if len(ids) > 8 else ''))
       return (f'checkpoint of round {round_idx} holds a block of another checkpoint: clients '
-              f'{first}-{last} were saved at round {saved[wrong[0]]}')
+              f'{named} were saved at round {saved[wrong[0]]}')
   return None
 
 

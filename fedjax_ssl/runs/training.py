@@ -22,9 +22,12 @@ CACHE_DIR/references (`runs.shared_references`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import pathlib
 import signal
+import sys
 import time
 import traceback
 
@@ -84,10 +87,12 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
         console.report(warning)
       peers = run_guard.Peers.gather() if strategies.multi_process() else None
       with signals.StopSignals() as stop, rundir.checkpointer(config.checkpoint_every) as ckpt:
+        watch = (run_guard.PeerWatch(peers, functools.partial(_peer_stopped, console, ckpt, peers))
+                 if peers is not None else None)
         try:
           return _run(config, rundir, ckpt, stop, console, bar_position=bar_position,
                       restart=restart, allow_config_change=allow_config_change,
-                      reference_cache=reference_cache, cache_dir=cache_dir)
+                      reference_cache=reference_cache, cache_dir=cache_dir, watch=watch)
         except files.DiskFull as e:  # the run's files so far are intact (files.writing's sites)
           saved = ckpt.latest_round()
           raise run_guard.RunStateError(
@@ -99,6 +104,8 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
             raise
           # A peer that died leaves this process's collective failing; the error goes to
           # train.log and the console gets the cause (docs/notes/engine.md#eng-88).
+          if watch is not None:
+            watch.end_here()
           console.log(f'process {process}: a collective failed:\n{traceback.format_exc()}')
           saved = ckpt.latest_round()
           lost = peers.lost(str(e))
@@ -111,6 +118,25 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               + '; rerun the same command on every process to resume from '
               + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
           ) from None
+        finally:
+          if watch is not None:
+            watch.stop()
+
+
+def _peer_stopped(console: logging_utils.Console, ckpt: checkpoint.Checkpointer,
+                  peers: run_guard.Peers, lost: list[int]) -> None:
+  """`run_guard.PeerWatch`'s end of this process: a process of the run on this host stopped while
+  this one may wait in a collective that never fails. The same line as a failed collective's
+  (exit `EXIT_PEER_LOST`), from the watch's thread, so through `os._exit`."""
+  saved = ckpt.latest_round()
+  line = (f'process {jax.process_index()} of {jax.process_count()}: {peers.describe(lost)} '
+          'stopped; rerun the same command on every process to resume from '
+          + (f'the checkpoint of round {saved}' if saved is not None else 'the start'))
+  console.log(line)
+  sys.stdout.flush()
+  sys.stderr.write(f'error: {line}\n')
+  sys.stderr.flush()
+  os._exit(run_guard.EXIT_PEER_LOST)
 
 
 # How a collective whose peer is gone fails (gloo on CPU, NCCL on GPU, the coordination service):
@@ -133,7 +159,8 @@ def _acquire(held: lock.WorkdirLock, rundir: RunDir) -> str | None:
 
 def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, stop: signals.StopSignals,
          console: logging_utils.Console, *, bar_position: int, restart: bool,
-         allow_config_change: bool, reference_cache: str | None, cache_dir) -> dict:
+         allow_config_change: bool, reference_cache: str | None, cache_dir,
+         watch: run_guard.PeerWatch | None = None) -> dict:
   # Every compile before round 1 (initial state, references): with the round's own, the compile
   # time a run pays before its first round ends (results.json first_round.setup_compile_seconds).
   with compilation.compile_timer() as before:
@@ -151,6 +178,8 @@ def _run(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, stop: signals.St
     # Each process scores the clients it holds and the entries are gathered: every process runs it.
     outcome = dataclasses.replace(outcome, per_client=evaluation.per_client_results(
         config, run.algo, _local(outcome.state), run.dataset, run.fed_data, run.client_splits))
+  if watch is not None:  # this process's last collective is done: a peer may now finish and exit
+    watch.stop()
   if not rundir.writes:  # another process than 0: process 0 reports
     return {'status': 'diverged' if outcome.diverged is not None else 'completed'}
   if outcome.diverged is not None:

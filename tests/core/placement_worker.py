@@ -48,6 +48,7 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
   # held rows' per-row sums stand for their features.
   held = np.asarray(jax.device_get(data.x), np.float32).reshape(len(data.x), -1).sum(axis=1)
   rows['gathered'] = (placement.gather_rows(held, data) if placement_ == 'divided' else held)
+  rows.update(_personal_scores(placement_, process_id, num_processes))
   # Per-client results' entries (evaluation._gather_entries: JSON bytes, one all-gather), uneven
   # in length across processes: every client's, in id order.
   entries = [{'client': c, 'score': c / 3, 'ids': list(range(c))} for c in range(lo, hi)]
@@ -57,6 +58,31 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
   np.savez(out, lo=lo, hi=hi, **rows)
   if num_processes > 1:
     jax.distributed.shutdown()
+
+
+def _personal_scores(placement_, process_id, num_processes):
+  """One model per client, a single cohort (independent, initial models, host state): under
+  'divided' each process scores the block it holds and the scores are gathered
+  (`evaluation.evaluate(client_blocks=)`); the same metrics as one process scoring all six."""
+  algo, _ = eq._algo('independent')
+  divided = placement_ == 'divided'
+  state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state='host',
+                        process=(process_id, num_processes) if divided else None)
+  blocks = (rd.state_blocks(algo, eq.NUM_CLIENTS, process_id, num_processes) if divided else
+            None)
+  scores = evaluation.evaluate(_eval_config(), algo, state, _eval_dataset(), probe=False,
+                               client_blocks=blocks)
+  return {f'personal/{k}': np.asarray(v) for k, v in scores.items()}
+
+
+def _eval_config():
+  config = configuration.default_config()
+  config.knn_k = 3
+  return config
+
+
+def _eval_dataset():
+  return sources.make_synthetic(num_train=40, num_test=12, image_shape=(8, 8, 1))
 
 
 def _cohort_rounds(data, placement_, process_id, num_processes):
@@ -82,12 +108,10 @@ def _cohort_rounds(data, placement_, process_id, num_processes):
       rows[f'cohorts{r}{jax.tree_util.keystr(path)}'] = np.array(leaf, copy=True)  # host: in place
   # Each process scores the personal models it holds (kNN on a small labelled set), one gather
   # bringing every client's scores (`evaluation.evaluate(client_blocks=)`).
-  config = configuration.default_config()
-  config.knn_k = 3
-  dataset = sources.make_synthetic(num_train=40, num_test=12, image_shape=(8, 8, 1))
   blocks = (rd.state_blocks(algo, eq.NUM_CLIENTS, process_id, num_processes) if divided else
             None)
-  scores = evaluation.evaluate(config, algo, state, dataset, probe=False, client_blocks=blocks)
+  scores = evaluation.evaluate(_eval_config(), algo, state, _eval_dataset(), probe=False,
+                               client_blocks=blocks)
   rows.update({f'eval/{k}': np.asarray(v) for k, v in scores.items()})
   return rows
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -201,3 +202,22 @@ def test_peers_name_the_process_that_stopped():
     live.kill()
     live.wait()
     zombie.wait()
+
+
+def test_the_peer_watch_reports_a_stopped_process_on_this_host_once_and_not_after_stop():
+  """run_guard.PeerWatch (docs/notes/engine.md#eng-88): a process of the run on this host that
+  stops is reported once, within its interval; after `stop()` (this process's last collective
+  done) a peer that exits is not."""
+  here = socket.gethostname()
+  for stop_first in (False, True):
+    child = subprocess.Popen(['sleep', '30'])
+    peers = run_guard.Peers(hosts=(here, here, 'elsewhere'), pids=(os.getpid(), child.pid, 1))
+    calls, called = [], threading.Event()
+    watch = run_guard.PeerWatch(peers, lambda lost: (calls.append(lost), called.set()),
+                                interval=0.05)
+    if stop_first:
+      watch.stop()
+    child.kill()
+    child.wait()
+    assert called.wait(2.0) != stop_first
+    assert calls == ([] if stop_first else [[1]])
