@@ -219,9 +219,9 @@ def references(run: Run, state: FedState, start: int, *, reference_cache: str | 
   the config that wrote config.json, else shared through `reference_cache`, else evaluated) and
   the raw-pixel row (None unless `experiment.has_raw_pixel_reference`: the logistic probe or
   fine-tuning, not on the synthetic set). Every process evaluates, so that all of them reach
-  the next round's collectives together; under a divided evaluation (`run.divided_evaluation`: one
-  gather of the training features or of the clients' scores) with several processes, each evaluates the random-init row
-  rather than read a file one of them may not see yet."""
+  the next round's collectives together; under a divided evaluation (`run.divided_evaluation`:
+  one gather of the training features or of the clients' scores) with several processes, each
+  evaluates the random-init row rather than read a file one of them may not see yet."""
   config, console, rundir = run.config, run.console, run.rundir
   # A divided evaluation gathers from every process: each evaluates, whatever files one of them
   # sees (process 0 writes random_init.json and the shared cache while the others look).
