@@ -142,6 +142,29 @@ class _DropUnretrievedReadErrors(logging.Filter):
                 and _read_error(exc) is not None)
 
 
+_residue_dropped = False  # whether `_drop_failed_restore_residue` is installed in this process
+
+
+def _drop_failed_restore_residue() -> None:
+  """Keeps a failed restore's residue (`_is_failed_restore_residue`, `_DropUnretrievedReadErrors`)
+  off the console for the rest of the process, once: the abandoned reads finish, and are collected,
+  whenever TensorStore's threads and the garbage collector get to them, which can be after the
+  checkpointer is closed (a closing hook let them through: 'Future exception was never retrieved'
+  dumps after `close`). Everything else reaches the previous hook and handlers unchanged."""
+  global _residue_dropped
+  if _residue_dropped:
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_failed_restore_residue(unraisable):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  logging.getLogger('asyncio').addFilter(_DropUnretrievedReadErrors())
+  _residue_dropped = True
+
+
 def _damaged_file(step_dir: str, error: BaseException) -> str:
   """The file of `step_dir` the error is about, relative to it ('' when none is found).
 
@@ -215,8 +238,6 @@ class Checkpointer:
       )
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=(_STATE, _METADATA))
-    self._unraisablehook = None  # the hook `restore` wraps, put back by `close`
-    self._asyncio_filter = _DropUnretrievedReadErrors()
 
   def all_rounds(self) -> list[int]:
     """Rounds with a complete checkpoint on disk, ascending."""
@@ -306,10 +327,7 @@ class Checkpointer:
       raise ValueError(
           f'round_idx = {round_idx!r} has no checkpoint in {self.directory}; '
           f'available rounds: {rounds}')
-    if self._unraisablehook is None:  # until close(): the reads outlive a failed restore
-      self._unraisablehook = sys.unraisablehook
-      sys.unraisablehook = self._drop_failed_restore_residue
-      logging.getLogger('asyncio').addFilter(self._asyncio_filter)
+    _drop_failed_restore_residue()
     try:
       restored = self._manager.restore(
           round_idx,
@@ -355,16 +373,9 @@ class Checkpointer:
     """Lists the rounds on disk again (after another process moved or saved one)."""
     self._manager.reload()
 
-  def _drop_failed_restore_residue(self, unraisable) -> None:
-    if not _is_failed_restore_residue(unraisable):
-      self._unraisablehook(unraisable)
-
   def close(self) -> None:
     """Waits for outstanding work and releases orbax resources."""
     self._manager.close()
-    if self._unraisablehook is not None:
-      sys.unraisablehook, self._unraisablehook = self._unraisablehook, None
-      logging.getLogger('asyncio').removeFilter(self._asyncio_filter)
 
   def __enter__(self) -> Checkpointer:
     return self
