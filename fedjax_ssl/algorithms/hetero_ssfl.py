@@ -4,7 +4,8 @@ the kernels of their representations on a public Representation Alignment Datase
 
 Round t (decisions A1-A28 in docs/notes/hetero_ssfl.md):
   prepare    round 0: the server's cache of every client's RAD representation A_j = Φ_j(X) [L, d_j]
-             (online predictor output, A7) is filled from the initial models (A27); afterwards it
+             (online predictor output, A7) is filled from the initial models (A27: `Prepare`'s
+             summarize / absorb, computed where the models are held); afterwards it
              holds each client's latest upload, stale for non-participants (Algorithm 1, A4).
              Over SimCLR (no predictor; not in the paper) Φ is the projector output.
              mu_t = mu (constant) or mu * sqrt(t) with the round index t counted from 0 as
@@ -212,20 +213,24 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
               'mu': jnp.zeros((), jnp.float32)}
     return clients, server
 
-  def prepare(state, data, ids, key):
-    del key
+  def initial_representations(stacks, data):
+    """A27: K̄ of round 0 from the initial models of every client: per cohort [n, L, d_c] for the
+    n clients of its stack given (all, or one process's block)."""
+    return tuple(jax.lax.map(lambda c, s=spec: upload_representations(
+        s, _variables(c), data.public_x, bn_mode=bn_mode, chunk=b_r), stack)
+                 for (_, spec), stack in zip(specs, stacks))
 
-    def initial():  # A27: K̄ of round 0 from the initial models of every client
-      return tuple(jax.lax.map(lambda c, s=spec: upload_representations(
-          s, _variables(c), data.public_x, bn_mode=bn_mode, chunk=b_r), stack).astype(r.dtype)
-                   for (_, spec), stack, r in zip(specs, state.clients, state.server['reps']))
-    reps = jax.lax.cond(state.round == 0, initial, lambda: state.server['reps'])
+  def absorb(server, reps):
+    return dict(server, reps=tuple(a.astype(r.dtype) for a, r in zip(reps, server['reps'])))
+
+  def prepare(state, data, ids, key):
+    del data, key
     t = state.round.astype(state.server['mu'].dtype)
     mu_t = mu * (jnp.sqrt(t) if mu_schedule == 'sqrt' else jnp.ones_like(t))
     in_kbar = jnp.ones_like(state.server['in_kbar'])
     if kbar_clients == 'participants':
       in_kbar = jnp.zeros_like(in_kbar).at[ids].set(1.0)
-    return dict(state.server, reps=reps, mu=mu_t, in_kbar=in_kbar)
+    return dict(state.server, mu=mu_t, in_kbar=in_kbar)
 
   def weights(server):
     """w_j per cohort [C_c]: 1/N over every client, or 1/m over this round's participants."""
@@ -256,7 +261,8 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
       begin=None, local_step=None, end=None, upload=None,
       aggregate=aggregate if align else (lambda server, payloads, weights_, slots: server),
       eval_variables=eval_variables, encoder_apply=None, personalized=True,
-      prepare=Prepare(prepare, reads_clients=True) if align else None, uses_public=align,
+      prepare=(Prepare(prepare, summarize=initial_representations, absorb=absorb) if align
+               else None), uses_public=align,
       cohorts=cohorts)
 
 
@@ -364,7 +370,6 @@ def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
       raise cv.ConfigError(f'config.hetero_ssfl.rad_batch = {h.rad_batch} is invalid with '
                            f'config.public_size = {config.public_size}: it must divide the RAD '
                            'size (0 = the whole RAD every step)')
-    registry.check_clients_on_device(config)
 
 
 def encoders(config: ml_collections.ConfigDict) -> Sequence[Tuple[str, str]]:

@@ -350,5 +350,5 @@ def check_clients_on_device(config: ml_collections.ConfigDict) -> None:
   if config.client_state == 'host':
     raise cv.ConfigError(f"config.client_state = 'host' is invalid for algorithm "
                          f"{config.algorithm!r} in this setting: its pre-round step reads every "
-                         "client's model on the device (round 0's prototypes / representations); "
+                         "client's model on the device (round 0's prototypes, FD's logits); "
                          "use 'device'")

@@ -32,6 +32,15 @@ serve; an algorithm without them computes exactly what it did before they existe
     reads_data: bool                                 (`fn` reads the data of clients other than the
                                                       round's participants: such an algorithm
                                                       needs placement='replicated')
+    summarize(stacks, data)               -> summaries (optional, with `absorb`: at round 0 only,
+    absorb(server, summaries)             -> server     before `fn`, the server takes in one row
+                                                      per client of each cohort's stack, row i from
+                                                      client i's state alone (Hetero-SSFL's
+                                                      initial representations). Rows are
+                                                      computed where the states are: per block
+                                                      and gathered under placement 'divided', row
+                                                      by row for host-resident states, so neither
+                                                      needs every client on a device)
 * `Stateless` (`stateless=`): the part of a client's state that survives a round, the only part
   kept in FedState.clients:
     persist(client)                       -> stored
@@ -104,6 +113,8 @@ class Prepare:
   upload_bytes: Optional[Callable[..., Any]] = None
   reads_clients: bool = False
   reads_data: bool = False
+  summarize: Optional[Callable[..., Any]] = None
+  absorb: Optional[Callable[..., Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)

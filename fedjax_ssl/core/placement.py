@@ -264,7 +264,7 @@ def participant_states(stack: Any, block: StateBlock, rows: np.ndarray) -> Any:
   ones leave the device."""
   local = block_rows(block, rows)
   mine = local < block.hi - block.lo
-  if _on_device(stack):
+  if on_device(stack):
     taken = jax.device_get(_take_rows(stack, jax.device_put(local, _device(stack))))
     held = jax.tree_util.tree_map(lambda a: a[mine], taken)
   else:
@@ -278,7 +278,7 @@ def store_states(stack: Any, new: Any, block: StateBlock, rows: np.ndarray, vali
   written in: numpy in place; on a device by one scatter that donates the stack unless not
   `donate`."""
   local = block_rows(block, rows, valid)
-  if _on_device(stack):
+  if on_device(stack):
     device = _device(stack)
     # One process: `new` may be sharded over its devices (strategy 'shard'), gathered here;
     # several: the round's outputs are replicated (strategies.jit_replicated), a local copy read.
@@ -295,7 +295,8 @@ def store_states(stack: Any, new: Any, block: StateBlock, rows: np.ndarray, vali
   return stack
 
 
-def _on_device(stack: Any) -> bool:
+def on_device(stack: Any) -> bool:
+  """Whether a client stack's leaves are jax arrays (device-resident), not host numpy."""
   leaves = jax.tree_util.tree_leaves(stack)
   return bool(leaves) and isinstance(leaves[0], jax.Array)
 

@@ -205,10 +205,50 @@ def cohort_slots(ids: jax.Array, cohort: Cohort, num_clients: int, m: int) -> Co
 
 
 def prepare_server(algo: Algorithm, state: FedState, data: FedData, ids, key):
-  """The server state after the algorithm's `prepare` hook (unchanged without one)."""
-  if algo.prepare is None:
+  """The server state after the algorithm's `prepare` hook (unchanged without one); at round 0,
+  with `state.clients` present, after `absorb`ing every client's `summarize` row first (the 'host'
+  and 'divided' round steps, whose device program holds no client stack, absorb them before it:
+  `absorb_summaries`)."""
+  p = algo.prepare
+  if p is None:
     return state.server
-  return algo.prepare.fn(state, data, ids, key)
+  if p.summarize is not None and state.clients is not None:
+    state = state.replace(server=jax.lax.cond(
+        state.round == 0,
+        lambda: p.absorb(state.server, p.summarize(cohort_stacks(algo, state.clients), data)),
+        lambda: state.server))
+  return p.fn(state, data, ids, key)
+
+
+def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data: FedData):
+  """`prepare.absorb(server, summaries)` with every client's `summarize` row, computed where the
+  client states are (the 'host' and 'divided' round steps at round 0): a block on a device in one
+  program, host-resident rows one client at a time (a device never holds more than one client of
+  each cohort), then gathered from every process's block (`placement.exchange`, rows moved,
+  never summed).
+
+  Args:
+    stacks: per cohort, this process's block of the stack (leaves [hi - lo, ...]).
+    blocks: per cohort, its `placement.StateBlock`.
+  """
+  p = algo.prepare
+  summarize = jax.jit(p.summarize)
+  if placement.on_device(stacks):
+    held = jax.device_get(summarize(stacks, data))
+  else:
+    sizes = [b.hi - b.lo for b in blocks]
+    per_row = [jax.device_get(summarize(tuple(
+        jax.tree_util.tree_map(lambda a, i=min(j, n - 1): a[i:i + 1], st)
+        for st, n in zip(stacks, sizes)), data)) for j in range(max(sizes))]
+    held = tuple(jax.tree_util.tree_map(lambda *r: np.concatenate(r), *[row[c] for row in
+                                                                           per_row[:n]])
+                 for c, n in enumerate(sizes))
+  summaries = tuple(placement.exchange(h, placement.owners(np.arange(b.num), b.num,
+                                                           b.process_count), b.process_count)
+                    for h, b in zip(held, blocks))
+  if strategies.multi_process():
+    summaries = strategies.replicate(summaries)
+  return strategies.jit_replicated(p.absorb)(server, summaries)
 
 
 def round_message(algo: Algorithm, server, data: FedData):
@@ -480,7 +520,7 @@ def make_round_step(algo: Algorithm, cfg: RoundConfig, num_clients: int, *, dona
     if algo.prepare is not None and algo.prepare.reads_clients:
       raise ValueError(f"client_state = 'host' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads every client's state on the device; use 'device'")
-    return _host_round_step(algo, strategies.jit_replicated(participants),
+    return _host_round_step(algo, num_clients, strategies.jit_replicated(participants),
                             strategies.jit_replicated(trained))
 
   def round_step(state: FedState, data: FedData, key: jax.Array):
@@ -512,12 +552,15 @@ def _divided_round_step(algo: Algorithm, num_clients: int, participants: Callabl
     blocks = state_blocks(algo, num_clients, local_clients.process_index,
                           local_clients.process_count)
     stacks = cohort_stacks(algo, state.clients)
+    round_data = _round_data(local_clients, np.asarray(ids))
+    if _absorbs(algo, state):
+      state = state.replace(server=absorb_summaries(algo, state.server, stacks, blocks,
+                                                    round_data))
     # An unfilled slot reads the cohort's last member, as the device round's clamped gather does.
     rows = [np.minimum(sl.local, b.num - 1) for sl, b in zip(slots, blocks)]
     sel = tuple(placement.participant_states(st, b, r) for st, b, r in zip(stacks, blocks, rows))
     sel = strategies.replicate(sel) if strategies.multi_process() else jax.device_put(sel)
-    server, new_sel, metrics = trained(state.replace(clients=None), sel,
-                                       _round_data(local_clients, np.asarray(ids)), key)
+    server, new_sel, metrics = trained(state.replace(clients=None), sel, round_data, key)
     stacks = tuple(placement.store_states(st, new, b, r, sl.valid, donate)
                    for st, new, b, r, sl in zip(stacks, new_sel, blocks, rows, slots))
     return FedState(clients=_unstack(algo, stacks), server=server, round=state.round + 1), metrics
@@ -525,11 +568,22 @@ def _divided_round_step(algo: Algorithm, num_clients: int, participants: Callabl
   return round_step
 
 
-def _host_round_step(algo: Algorithm, participants: Callable, trained: Callable) -> Callable:
+def _absorbs(algo: Algorithm, state: FedState) -> bool:
+  """Whether a round step whose device program holds no client stack absorbs the clients'
+  summaries first (`absorb_summaries`): round 0 of an algorithm with `Prepare.summarize`."""
+  return (algo.prepare is not None and algo.prepare.summarize is not None
+          and int(jax.device_get(state.round)) == 0)
+
+
+def _host_round_step(algo: Algorithm, num_clients: int, participants: Callable,
+                     trained: Callable) -> Callable:
   """The 'host' placement of `make_round_step` around its jitted `participants` and `trained`."""
   def round_step(state: FedState, data: FedData, key: jax.Array):
     _, slots = jax.device_get(participants(key))
     stacks = cohort_stacks(algo, state.clients)
+    if _absorbs(algo, state):
+      state = state.replace(server=absorb_summaries(
+          algo, state.server, stacks, state_blocks(algo, num_clients, 0, 1), data))
     sel = []
     for stack, sl in zip(stacks, slots):
       size = jax.tree_util.tree_leaves(stack)[0].shape[0] if jax.tree_util.tree_leaves(stack) else 1

@@ -120,7 +120,9 @@ def wrap(algo: Algorithm, tx: optax.GradientTransformation) -> Algorithm:
         fn=lambda state, *a: dict(state.server, algorithm=p.fn(inner(state), *a)),
         upload_bytes=(None if p.upload_bytes is None else
                       lambda state, after: p.upload_bytes(inner(state), after['algorithm'])),
-        reads_clients=p.reads_clients, reads_data=p.reads_data)
+        reads_clients=p.reads_clients, reads_data=p.reads_data, summarize=p.summarize,
+        absorb=(None if p.absorb is None else
+                lambda server, rows: dict(server, algorithm=p.absorb(server['algorithm'], rows))))
   return dataclasses.replace(
       algo, init=init, broadcast=lambda server: algo.broadcast(server['algorithm']),
       aggregate=aggregate, eval_variables=lambda state: algo.eval_variables(inner(state)),

@@ -15,7 +15,7 @@ from fedjax_ssl import configuration, evaluation
 from fedjax_ssl.core import placement, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.data import sources
-from tests.core import test_placement as tp
+from tests.algorithms import test_hetero_ssfl as th
 from tests.core import test_round_equivalence as eq
 
 
@@ -28,7 +28,7 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
   cfg = dataclasses.replace(cfg, placement=placement_)
   step = rd.make_round_step(algo, cfg, eq.NUM_CLIENTS, donate=False)
   state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state='host')
-  fed = eq._data()
+  fed = th._hetero_data()  # the equivalence tests' clients, with a public set for Hetero-SSFL
   lo, hi = 0, eq.NUM_CLIENTS
   if placement_ == 'divided':
     data = placement.divide(fed, process_id, num_processes)
@@ -86,11 +86,12 @@ def _eval_dataset():
 
 
 def _cohort_rounds(data, placement_, process_id, num_processes):
-  """Two rounds of Hetero-SSFL without alignment (two cohorts of interleaved clients, 3 each):
+  """Two rounds of Hetero-SSFL with alignment (two cohorts of interleaved clients, 3 each):
   device-resident personal models each process holds its block of, per cohort, under 'divided'
-  (`round.state_blocks`: 2 + 1 rows at P = 2); under 'replicated' host-resident (the divided
-  round's device program, so bit for bit). 'vmap': no cross-device sum."""
-  algo = tp.hetero_mu0()
+  (`round.state_blocks`: 2 + 1 rows at P = 2; round 0's representations computed from the block
+  and gathered, `round.absorb_summaries`); under 'replicated' host-resident (the divided round's
+  device program, so bit for bit). 'vmap': no cross-device sum."""
+  algo = th._algo('default')[0]
   divided = placement_ == 'divided'
   cfg = dataclasses.replace(eq._round_cfg('vmap', 4, client_state='device' if divided else 'host'),
                             placement=placement_)

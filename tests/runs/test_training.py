@@ -79,20 +79,21 @@ def test_a_measured_run_records_each_convolutions_choice(tmp_path, monkeypatch):
 
 
 def test_personal_models_in_cohorts_divided_score_as_replicated_and_resume(tmp_path):
-  """placement 'divided' with one model per client in two cohorts (Hetero-SSFL without alignment,
+  """placement 'divided' with one model per client in two cohorts (Hetero-SSFL with alignment,
   a small CNN and an MLP, device-resident): each process holds its block of each cohort's models
-  (`round.state_blocks`), scores them, one gather bringing every client's scores
+  (`round.state_blocks`), computes round 0's representations of the public set from them
+  (`round.absorb_summaries`), scores them, one gather bringing every client's scores
   (evaluation.evaluate(client_blocks=)), and checkpoints each cohort's block (two processes:
   tests/core/test_placement.py). With one process, the same records as 'replicated' with
-  host-resident state (the same device program), and its checkpoint resumes exactly."""
+  host-resident state (the same device programs), and its checkpoint resumes exactly."""
   import shutil  # pylint: disable=g-import-not-at-top
   from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
   records = {}
   for placement_, client_state in (('replicated', 'host'), ('divided', 'device')):
     config = tiny_config(algorithm='hetero_ssfl', ssl_method='simclr', num_clients=4,
                          clients_per_round=3, rounds=2, placement=placement_,
-                         client_state=client_state)
-    config.hetero_ssfl.update(mix='small_cnn:2,mlp:2', mu=0.0)
+                         client_state=client_state, public_size=16)
+    config.hetero_ssfl.update(mix='small_cnn:2,mlp:2', mu=0.5, rad_batch=8)
     workdir = tmp_path / placement_
     final = train.train_and_evaluate(config, str(workdir), verbose=False)['final']
     records[placement_] = (_records(workdir), final)
