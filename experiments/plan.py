@@ -298,7 +298,8 @@ def _round_data_bytes(data: FedData, config: ml_collections.ConfigDict) -> int:
 
 def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes: int,
              round_data_bytes: int, stored_client_bytes: int, hosts: int, devices_per_host: int,
-             target: str) -> Dict[str, Any]:
+             target: str, cohort_states: Optional[Sequence[Tuple[int, int]]] = None
+             ) -> Dict[str, Any]:
   """Bytes per device and per host of a round on hosts x devices_per_host devices, with the clients
   replicated (the default) and with `placement='divided'` (core/placement.py).
 
@@ -313,8 +314,10 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   participants' padded rows, `placement.participant_data`) every device receives that FedData in
   place of the whole data, and each host holds 1 / H of the data and of the host-resident states
   (an even cut: the hosts' blocks differ by one client at most) plus that FedData; device-resident
-  client state divides too (each host's first device holds its C / H clients' states, of every
-  cohort, and every device the round's m participants' states, as under 'host').
+  client state divides too (each host's first device holds its ⌈C_c / H⌉ clients' states of each
+  cohort c, and every device the round's participants' states, min(m, C_c) of each cohort, as under
+  'host'). `cohort_states` [(C_c, bytes of one client of cohort c)] (None: one cohort of C clients
+  of `stored_client_bytes`).
   """
   devices = hosts * devices_per_host
   m, c = config.clients_per_round, config.num_clients
@@ -328,8 +331,10 @@ def topology(config: ml_collections.ConfigDict, mem: Dict[str, int], data_bytes:
   per_host = data_bytes + host_states + (devices_per_host * per_device if target == 'cpu' else 0)
   divided_device = per_device - data_bytes + round_data_bytes
   if config.client_state == 'device':
-    # The held block (the first device of each host) and the participants' states in place of C.
-    divided_device += (-(-c // hosts) + m - c) * stored_client_bytes
+    # The held block (the first device of each host) and the participants' states in place of C,
+    # each cohort cut on its own (round.state_blocks).
+    divided_device += sum((-(-n // hosts) + min(m, n) - n) * b
+                          for n, b in cohort_states or [(c, stored_client_bytes)])
   divided_host = (-(-(data_bytes + host_states) // hosts) + round_data_bytes +
                   (devices_per_host * divided_device if target == 'cpu' else 0))
   return {
@@ -378,8 +383,11 @@ def plan(config: ml_collections.ConfigDict, device_memory_gb: float = 80.0,
   logging.info('counting the FLOPs of a local step (an XLA:CPU compile)')
   per_step, steps = cohort_step_flops(s), cohort_steps(s.algo, s.sizes, run_config)
   stored = _tree_bytes(s.state.clients) // config.num_clients
+  sizes = [len(c.members) for c in s.algo.cohorts] or [config.num_clients]
+  cohort_states = [(n, _tree_bytes(st) // n)
+                   for n, st in zip(sizes, rd.cohort_stacks(s.algo, s.state.clients))]
   topo = topology(config, mem, _tree_bytes(s.data), _round_data_bytes(s.data, config),
-                  stored, int(hosts), int(devices_per_host), target)
+                  stored, int(hosts), int(devices_per_host), target, cohort_states)
   if devices > 1:  # the inputs every device holds whole under placement replicated (`topology`)
     extra = topo['other_participant_state_bytes']
     mem = dict(mem, input_bytes=mem['input_bytes'] + extra,

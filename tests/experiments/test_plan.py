@@ -13,6 +13,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -138,6 +139,22 @@ def test_host_resident_states_are_in_every_process_and_on_a_cpu_target_so_are_it
   divided = p['bytes_per_device'] - TINY_DATA_BYTES + TINY_ROUND_BYTES
   assert p['bytes_per_device_divided'] == divided
   assert p['bytes_per_host_divided'] == TINY_DATA_BYTES + 6 * s + TINY_ROUND_BYTES + 2 * divided
+
+
+def test_divided_device_state_is_cut_per_cohort():
+  """A mix (cohorts of 3 and 5 clients, a and b bytes each) on 2 hosts, 4 participants a round:
+  each host's first device holds ⌈3/2⌉ + ⌈5/2⌉ states and every device min(4, C_c) participants
+  of each cohort, in place of the 3a + 5b replicated states (ENG-95 counted ⌈8/2⌉ + 4 of one size)."""
+  config = ml_collections.ConfigDict(dict(clients_per_round=4, num_clients=8,
+                                          client_state='device'))
+  a, b, data, rows = 1000, 3000, 10_000, 500
+  mem = {'total_bytes': 100_000}
+  topo = plan.topology(config, mem, data, rows, (3 * a + 5 * b) // 8, 2, 1, 'gpu',
+                       cohort_states=[(3, a), (5, b)])
+  assert topo['bytes_per_device_divided'] == (100_000 - data + rows + (2 * a + 3 * b)
+                                              + (3 * a + 4 * b) - (3 * a + 5 * b))
+  one = plan.topology(config, mem, data, rows, a, 2, 1, 'gpu')  # one cohort: C = 8 of a bytes
+  assert one['bytes_per_device_divided'] == 100_000 - data + rows + (4 + 4 - 8) * a
 
 
 @pytest.mark.parametrize('hosts, devices, m, message', [
