@@ -22,7 +22,7 @@ import ml_collections
 from fedjax_ssl import config_validation as cv
 from fedjax_ssl.algorithms import fedavg, registry, repshare, ssl_client
 from fedjax_ssl.core.algorithm import Algorithm, Prepare
-from fedjax_ssl.core import comm, rng
+from fedjax_ssl.core import comm
 from fedjax_ssl.data import augment
 from fedjax_ssl.data.types import DataInfo
 from fedjax_ssl.ops import prototypes
@@ -64,15 +64,6 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
     return (repshare.independent_clients(spec, key, num_clients),
             {'means': jnp.zeros(shape), 'counts': jnp.zeros(shape[:2])})
 
-  def prepare(state, data, ids, key):
-    del ids
-    def from_models():
-      fresh = repshare.initial_summaries(
-          summarize, state.clients, data,
-          jax.random.fold_in(rng.server_key(key), repshare.INIT_STREAM))
-      return {k: v.astype(state.server[k].dtype) for k, v in fresh.items()}
-    return jax.lax.cond(state.round == 0, from_models, lambda: state.server)
-
   def prepare_upload_bytes(state, server):
     # Round 0: every client uploads the mean logits of its untrained model inside `prepare`.
     row = comm.tree_bytes({k: server[k][0] for k in ('means', 'counts')})
@@ -107,7 +98,11 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, weight: float = 1.0,
                                                           train=False),
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
       personalized=True, personalize=personalize,
-      prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes, reads_clients=True))
+      # Round 0's mean logits from every client's untrained model; nothing else before a round.
+      prepare=Prepare(lambda state, data, ids, key: state.server,
+                      upload_bytes=prepare_upload_bytes,
+                      summarize=repshare.summaries_from_models(summarize),
+                      absorb=repshare.take_summaries, summarize_reads_data=True))
 
 
 def config_block() -> ml_collections.ConfigDict:
@@ -126,7 +121,6 @@ def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
   cv.check_float_range('fd.weight', config.fd.weight, 0.0, None)
   cv.check_float_range('fd.temperature', config.fd.temperature, 0.0, None, inclusive=(False, True))
   cv.check_int_range('fd.upload_batch', config.fd.upload_batch, 1, 10_000_000)
-  registry.check_clients_on_device(config)
 
 
 def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:

@@ -342,13 +342,3 @@ def plan(config: ml_collections.ConfigDict, info: Any) -> Optional[Plan]:
   if fedbuff_enabled(config):
     return fedbuff_plan(config)  # likewise (DP and FedBuff exclude each other)
   return None if entry.plan is None else entry.plan(config, info)
-
-
-def check_clients_on_device(config: ml_collections.ConfigDict) -> None:
-  """ConfigError for client_state = 'host', for an algorithm (in this setting) whose `Prepare`
-  reads every client's model (`Prepare.reads_clients`), which host-placed state cannot serve."""
-  if config.client_state == 'host':
-    raise cv.ConfigError(f"config.client_state = 'host' is invalid for algorithm "
-                         f"{config.algorithm!r} in this setting: its pre-round step reads every "
-                         "client's model on the device (round 0's prototypes, FD's logits); "
-                         "use 'device'")

@@ -26,7 +26,7 @@ under partial participation a non-participant's prototypes stay in use (stale).
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import jax
 from absl import logging
@@ -120,15 +120,34 @@ def class_summary(spec: ssl_client.ClientSpec, variables, local: LocalData, num_
   return summary
 
 
-def initial_summaries(summarize, clients, data, key: jax.Array) -> Dict[str, jax.Array]:
-  """Every client's summary from its current (initial) model: {field: [N, ...]}, one client at a
-  time (lax.map: the memory of one client's forward)."""
-  num = data.n.shape[0]
-
-  def one(cid):
-    client = jax.tree_util.tree_map(lambda a: a[cid], clients)
+def initial_summaries(summarize, clients, data, ids: jax.Array, key: jax.Array
+                      ) -> Dict[str, jax.Array]:
+  """The summaries of the clients `ids` [n] from their current (initial) models `clients` (leaves
+  [n, ...], row i client ids[i]'s) on their own rows in `data`: {field: [n, ...]}, one client at a
+  time (lax.map: the memory of one client's forward); client c's draws from fold_in(key, c)."""
+  def one(i):
+    client = jax.tree_util.tree_map(lambda a: a[i], clients)
+    cid = ids[i]
     return summarize(client, LocalData(*data.client(cid), jax.random.fold_in(key, cid)))
-  return jax.lax.map(one, jnp.arange(num))
+  return jax.lax.map(one, jnp.arange(ids.shape[0]))
+
+
+def summaries_from_models(summarize):
+  """`Prepare.summarize` of round 0's summaries from the clients' untrained models (A8): the one
+  cohort's `initial_summaries` of the clients `ids`, their draws from the round key's
+  `INIT_STREAM`."""
+  def rows(stacks, data, ids, key):
+    (clients,), (cids,) = stacks, ids
+    return (initial_summaries(summarize, clients, data, cids,
+                              jax.random.fold_in(rng.server_key(key), INIT_STREAM)),)
+  return rows
+
+
+def take_summaries(server, rows: Tuple[Dict[str, jax.Array]]) -> Dict[str, jax.Array]:
+  """`Prepare.absorb` of round 0's summaries: the server with every client's (`initial_summaries`
+  of all clients in id order, the one cohort's) as its buffers, cast to the state's dtypes."""
+  (fresh,) = rows
+  return dict(server, **{k: v.astype(server[k].dtype) for k, v in fresh.items()})
 
 
 def store_uploads(server, payloads, weights, ids) -> Dict[str, jax.Array]:
@@ -194,17 +213,10 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
 
   def prepare(state, data, ids, key):
     del ids
-    server = state.server
-    if init_prototypes == 'model':
-      def from_models():
-        fresh = initial_summaries(summarize, state.clients, data,
-                                  jax.random.fold_in(rng.server_key(key), INIT_STREAM))
-        return dict(server, **{k: v.astype(server[k].dtype) for k, v in fresh.items()})
-      server = jax.lax.cond(state.round == 0, from_models, lambda: server)
     partners = prototypes.relay_partners(jax.random.fold_in(rng.server_key(key), PARTNER_STREAM),
                                          data.n.shape[0], num_classes,
                                          per_class=partner == 'per_class')
-    return dict(server, partners=partners)
+    return dict(state.server, partners=partners)
 
   def prepare_upload_bytes(state, server):
     # Round 0: every client uploads the summary of its untrained model inside `prepare`.
@@ -254,8 +266,8 @@ def make(spec: ssl_client.ClientSpec, *, num_classes: int, feature_dim: int,
       classifier_apply=lambda v, x: spec.model.apply(v, x, train=False),
       personalized=True, personalize=personalize,
       prepare=Prepare(prepare, upload_bytes=prepare_upload_bytes,
-                      reads_clients=init_prototypes == 'model',
-                      reads_data=init_prototypes == 'model'))
+                      **(dict(summarize=summaries_from_models(summarize), absorb=take_summaries,
+                              summarize_reads_data=True) if init_prototypes == 'model' else {})))
 
 
 def config_block() -> ml_collections.ConfigDict:
@@ -299,8 +311,6 @@ def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
   cv.check_choice('repshare.partner', r.partner, PARTNERS)
   cv.check_choice('repshare.init_prototypes', r.init_prototypes, INIT_PROTOTYPES)
   cv.check_int_range('repshare.upload_batch', r.upload_batch, 1, 10_000_000)
-  if r.init_prototypes == 'model':
-    registry.check_clients_on_device(config)
 
 
 def build(config: ml_collections.ConfigDict, info: DataInfo) -> Algorithm:

@@ -32,15 +32,23 @@ serve; an algorithm without them computes exactly what it did before they existe
     reads_data: bool                                 (`fn` reads the data of clients other than the
                                                       round's participants: such an algorithm
                                                       needs placement='replicated')
-    summarize(stacks, data)               -> summaries (optional, with `absorb`: at round 0 only,
-    absorb(server, summaries)             -> server     before `fn`, the server takes in one row
-                                                      per client of each cohort's stack, row i from
-                                                      client i's state alone (Hetero-SSFL's
-                                                      initial representations). Rows are
+    summarize(stacks, data, ids, key)     -> rows      (optional, with `absorb`: at round 0 only,
+    absorb(server, rows)                  -> server     before `fn`, the server takes in one row
+                                                      per client of each cohort's stack given
+                                                      (ids: int32 [n_c] per cohort, the rows'
+                                                      client ids; data holds their rows; key the
+                                                      round key), row i from client ids[i]'s
+                                                      state and data alone (Hetero-SSFL's initial
+                                                      representations, representation sharing's
+                                                      and FD's initial prototypes). Rows are
                                                       computed where the states are: per block
                                                       and gathered under placement 'divided', row
                                                       by row for host-resident states, so neither
                                                       needs every client on a device)
+    summarize_reads_data: bool                       (`summarize` reads the clients' own rows,
+                                                      not only the public set: with cohorts,
+                                                      whose blocks are cut by member rank and the
+                                                      rows by id, 'divided' refuses it)
 * `Stateless` (`stateless=`): the part of a client's state that survives a round, the only part
   kept in FedState.clients:
     persist(client)                       -> stored
@@ -115,6 +123,7 @@ class Prepare:
   reads_data: bool = False
   summarize: Optional[Callable[..., Any]] = None
   absorb: Optional[Callable[..., Any]] = None
+  summarize_reads_data: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -213,6 +213,16 @@ def participant_data(local: LocalClients, ids: np.ndarray) -> FedData:
                  n_max=local.n_max, public_x=local.public_x, n_min=local.n_min)
 
 
+def held_data(local: LocalClients) -> FedData:
+  """A FedData (host numpy) of the held clients' rows: `client(c)` reads client c's rows for
+  lo <= c < hi (offsets into `local.x`; the others' offsets are 0, their rows absent). No
+  collective: each process builds its own."""
+  offsets = np.zeros((local.num_clients,), np.int32)
+  offsets[local.lo:local.hi] = local.offsets
+  return FedData(x=local.x, y=local.y, n=local.n, offsets=offsets, n_max=local.n_max,
+                 public_x=local.public_x, n_min=local.n_min)
+
+
 def local_rows(stack: Any, lo: int, hi: int) -> Any:
   """The rows lo .. hi - 1 of a stacked client pytree (host numpy), copied."""
   return jax.tree_util.tree_map(lambda a: np.array(a[lo:hi], copy=True), stack)

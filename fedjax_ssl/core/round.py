@@ -204,25 +204,29 @@ def cohort_slots(ids: jax.Array, cohort: Cohort, num_clients: int, m: int) -> Co
   return CohortSlots(jnp.where(valid, loc[pos], len(members)).astype(jnp.int32), ids[pos], valid)
 
 
-def prepare_server(algo: Algorithm, state: FedState, data: FedData, ids, key):
+def prepare_server(algo: Algorithm, state: FedState, data: FedData, ids, key,
+                   absorb: bool = True):
   """The server state after the algorithm's `prepare` hook (unchanged without one); at round 0,
-  with `state.clients` present, after `absorb`ing every client's `summarize` row first (the 'host'
-  and 'divided' round steps, whose device program holds no client stack, absorb them before it:
-  `absorb_summaries`)."""
+  with `state.clients` present and `absorb`, after `absorb`ing every client's `summarize` row
+  first (the 'host' and 'divided' round steps, whose device program holds no client stack, absorb
+  them before it: `absorb_summaries`)."""
   p = algo.prepare
   if p is None:
     return state.server
-  if p.summarize is not None and state.clients is not None:
+  if p.summarize is not None and state.clients is not None and absorb:
+    members = tuple(jnp.asarray(c.members, jnp.int32) for c in cohorts(algo, data.n.shape[0]))
     state = state.replace(server=jax.lax.cond(
         state.round == 0,
-        lambda: p.absorb(state.server, p.summarize(cohort_stacks(algo, state.clients), data)),
+        lambda: p.absorb(state.server, p.summarize(cohort_stacks(algo, state.clients), data,
+                                                   members, key)),
         lambda: state.server))
   return p.fn(state, data, ids, key)
 
 
-def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data: FedData):
-  """`prepare.absorb(server, summaries)` with every client's `summarize` row, computed where the
-  client states are (the 'host' and 'divided' round steps at round 0): a block on a device in one
+def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data: FedData,
+                     key: jax.Array):
+  """`prepare.absorb(server, rows)` with every client's `summarize` row, computed where the client
+  states are (the 'host' and 'divided' round steps at round 0): a block on a device in one
   program, host-resident rows one client at a time (a device never holds more than one client of
   each cohort), then gathered from every process's block (`placement.exchange`, rows moved,
   never summed).
@@ -230,16 +234,22 @@ def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data
   Args:
     stacks: per cohort, this process's block of the stack (leaves [hi - lo, ...]).
     blocks: per cohort, its `placement.StateBlock`.
+    data: holds the rows of the block's clients (`placement.held_data` under 'divided').
+    key: the round key.
   """
   p = algo.prepare
   summarize = jax.jit(p.summarize)
+  ids = [np.asarray(c.members[b.lo:b.hi], np.int32)
+         for c, b in zip(cohorts(algo, data.n.shape[0]), blocks)]
+  data = jax.device_put(data)  # once, not with every client's call below
   if placement.on_device(stacks):
-    held = jax.device_get(summarize(stacks, data))
+    held = jax.device_get(summarize(stacks, data, tuple(ids), key))
   else:
     sizes = [b.hi - b.lo for b in blocks]
-    per_row = [jax.device_get(summarize(tuple(
-        jax.tree_util.tree_map(lambda a, i=min(j, n - 1): a[i:i + 1], st)
-        for st, n in zip(stacks, sizes)), data)) for j in range(max(sizes))]
+    rows = [tuple(min(j, n - 1) for n in sizes) for j in range(max(sizes))]
+    per_row = [jax.device_get(summarize(
+        tuple(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], st) for st, i in zip(stacks, r)),
+        data, tuple(i_c[i:i + 1] for i_c, i in zip(ids, r)), key)) for r in rows]
     held = tuple(jax.tree_util.tree_map(lambda *r: np.concatenate(r), *[row[c] for row in
                                                                            per_row[:n]])
                  for c, n in enumerate(sizes))
@@ -439,6 +449,11 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
       raise ValueError(f"placement = 'divided' is invalid for algorithm {algo.name!r}: its "
                        "`prepare` reads clients other than the round's participants; use "
                        "'replicated'")
+    if algo.prepare is not None and algo.prepare.summarize_reads_data and algo.cohorts:
+      raise ValueError(f"placement = 'divided' is invalid for algorithm {algo.name!r}: its "
+                       "round-0 summaries read each client's rows, which a process holds by "
+                       "client id while it holds its cohorts' states by member rank; use "
+                       "'replicated'")
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink
   strategy = strategies.resolve_strategy(cfg.strategy)
   if algo is not None and algo.cohorts:
@@ -554,8 +569,8 @@ def _divided_round_step(algo: Algorithm, num_clients: int, participants: Callabl
     stacks = cohort_stacks(algo, state.clients)
     round_data = _round_data(local_clients, np.asarray(ids))
     if _absorbs(algo, state):
-      state = state.replace(server=absorb_summaries(algo, state.server, stacks, blocks,
-                                                    round_data))
+      state = state.replace(server=absorb_summaries(
+          algo, state.server, stacks, blocks, placement.held_data(local_clients), key))
     # An unfilled slot reads the cohort's last member, as the device round's clamped gather does.
     rows = [np.minimum(sl.local, b.num - 1) for sl, b in zip(slots, blocks)]
     sel = tuple(placement.participant_states(st, b, r) for st, b, r in zip(stacks, blocks, rows))
@@ -583,7 +598,7 @@ def _host_round_step(algo: Algorithm, num_clients: int, participants: Callable,
     stacks = cohort_stacks(algo, state.clients)
     if _absorbs(algo, state):
       state = state.replace(server=absorb_summaries(
-          algo, state.server, stacks, state_blocks(algo, num_clients, 0, 1), data))
+          algo, state.server, stacks, state_blocks(algo, num_clients, 0, 1), data, key))
     sel = []
     for stack, sl in zip(stacks, slots):
       size = jax.tree_util.tree_leaves(stack)[0].shape[0] if jax.tree_util.tree_leaves(stack) else 1
@@ -610,7 +625,8 @@ def message_bytes(algo: Algorithm, cfg: RoundConfig, num_clients: int, state: Fe
 
   def shapes(state, data, key):
     ids = sample_participants(key, num_clients, cfg.clients_per_round)
-    server = prepare_server(algo, state, data, ids, key)
+    # `absorb` keeps the server's shapes, and under 'divided' `state.clients` is a block: skipped.
+    server = prepare_server(algo, state, data, ids, key, absorb=False)
     msg = round_message(algo, server, data)
     payloads = []
     for cohort, stack in zip(groups, cohort_stacks(algo, state.clients)):

@@ -121,6 +121,7 @@ def wrap(algo: Algorithm, tx: optax.GradientTransformation) -> Algorithm:
         upload_bytes=(None if p.upload_bytes is None else
                       lambda state, after: p.upload_bytes(inner(state), after['algorithm'])),
         reads_clients=p.reads_clients, reads_data=p.reads_data, summarize=p.summarize,
+        summarize_reads_data=p.summarize_reads_data,
         absorb=(None if p.absorb is None else
                 lambda server, rows: dict(server, algorithm=p.absorb(server['algorithm'], rows))))
   return dataclasses.replace(

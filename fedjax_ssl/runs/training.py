@@ -99,7 +99,9 @@ def train_and_evaluate(config, workdir: str, *, verbose: bool = True, bar_positi
               f'{e}: free space there, then rerun the same command; it resumes from '
               + (f'the checkpoint of round {saved}' if saved is not None else 'the start')
               + ' with the metric rows before it') from None
-        except jax.errors.JaxRuntimeError as e:
+        # A collective's failure surfaces as a JaxRuntimeError, or as a ValueError when the peer
+        # is lost while jit dispatches it (seen under CPU load: "UNKNOWN: Gloo AllGather failed").
+        except (jax.errors.JaxRuntimeError, ValueError) as e:
           if not (strategies.multi_process() and any(m in str(e) for m in _PEER_LOST)):
             raise
           # A peer that died leaves this process's collective failing; the error goes to

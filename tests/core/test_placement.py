@@ -14,6 +14,7 @@ from fedjax_ssl.core import placement, rng
 from fedjax_ssl.core import round as rd
 from fedjax_ssl.core.algorithm import Prepare
 from tests.algorithms import test_hetero_ssfl as th
+from tests.algorithms import test_repshare as trs
 from tests.core import test_round_equivalence as eq
 from tests.core import test_scale
 
@@ -60,8 +61,9 @@ def test_the_participants_data_holds_their_padded_views():
 
 
 def _rounds(name, placement_, client_state, rounds=2):
-  algo = {'hetero_ssfl': hetero_mu0, 'hetero_ssfl_aligned': lambda: th._algo('default')[0]}.get(
-      name, lambda: eq._algo(name)[0])()
+  algo = {'hetero_ssfl': hetero_mu0, 'hetero_ssfl_aligned': lambda: th._algo('default')[0],
+          'repshare': lambda: trs._algo('ours')[0], 'fd': lambda: trs._algo('fd')[0]}.get(
+              name, lambda: eq._algo(name)[0])()
   fed = th._hetero_data()  # the equivalence tests' clients, with a public set
   cfg = dataclasses.replace(eq._round_cfg('vmap', 4, client_state=client_state),
                             placement=placement_)
@@ -94,6 +96,34 @@ def test_a_divided_round_equals_the_replicated_round_bit_for_bit(name, client_st
   for r, (g, w) in enumerate(zip(got, want)):
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
+
+
+# Round 0's summaries of every client's untrained model on its own rows (representation sharing's
+# prototypes, FD's mean logits: `Prepare.summarize`, each client's draws from its id): under
+# 'divided' from the held block and the held rows (`placement.held_data`), host-resident models one
+# at a time, as the host-resident replicated round does: bit for bit.
+@pytest.mark.parametrize('name,client_state', [('repshare', 'host'), ('repshare', 'device'),
+                                               ('fd', 'device')])
+def test_round_zero_summaries_divided_equal_the_replicated_round_bit_for_bit(name, client_state):
+  want = _rounds(name, 'replicated', 'host')
+  got = _rounds(name, 'divided', client_state)
+  assert float(np.abs(want[0][1]['means']).max()) > 0  # the summaries are there
+  for r, (g, w) in enumerate(zip(got, want)):
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
+
+
+def test_message_bytes_of_a_processs_block_equal_the_whole_stacks():
+  """run_setup sizes the messages from this process's block of the initial state under
+  'divided': round 0's summaries (Hetero-SSFL's representations, [C_c, L, d] in the server) are not
+  traced there, as a block's rows would not fit the server's."""
+  algo = th._algo('default')[0]
+  cfg = eq._round_cfg('vmap', 4)
+  fed = th._hetero_data()
+  whole = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS)
+  block = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, process=(1, 2))
+  assert (rd.message_bytes(algo, cfg, eq.NUM_CLIENTS, block, fed) ==
+          rd.message_bytes(algo, cfg, eq.NUM_CLIENTS, whole, fed))
 
 
 @functools.lru_cache(maxsize=None)
