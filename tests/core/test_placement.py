@@ -6,6 +6,7 @@ import functools
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -111,6 +112,27 @@ def test_round_zero_summaries_divided_equal_the_replicated_round_bit_for_bit(nam
   for r, (g, w) in enumerate(zip(got, want)):
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
+
+
+@pytest.mark.parametrize('name', ['repshare', 'fd'])
+def test_two_processes_blocks_summarize_their_clients_as_the_whole_federation(name):
+  """Each of two processes' blocks (its models from `init_state(process=)`, its rows through
+  `placement.held_data`, their client ids) gives the whole federation's round-0 summaries of its
+  clients, bit for bit: the rows the gather joins (the gather itself: the placement worker)."""
+  algo = trs._algo({'repshare': 'ours'}.get(name, name))[0]
+  fed = th._hetero_data()
+  key = rng.round_key(jax.random.PRNGKey(7), 0)
+  whole = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS)
+  summarize = jax.jit(algo.prepare.summarize)
+  (want,) = summarize((whole.clients,), fed, (jnp.arange(eq.NUM_CLIENTS),), key)
+  for p in range(2):
+    local = placement.divide(fed, p, 2)
+    block = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, process=(p, 2))
+    (got,) = summarize((block.clients,), placement.held_data(local),
+                       (jnp.arange(local.lo, local.hi),), key)
+    for k in want:
+      np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k])[local.lo:local.hi],
+                                    err_msg=f'{name} process {p} {k}')
 
 
 def test_message_bytes_of_a_processs_block_equal_the_whole_stacks():
