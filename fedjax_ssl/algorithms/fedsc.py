@@ -4,7 +4,8 @@ inter-client term built from the other clients' shared, optionally DP-noised, co
 
 Round t (1-indexed; decisions in docs/notes/fedsc.md):
   prepare      if t is a share round, the uploaders (every client at the first share round, as
-               Alg. 1's t = 1 branch; the round's participants afterwards) compute DP-CalR (Alg. 2)
+               Alg. 1's t = 1 branch, taken in before the hook by `Prepare.summarize` / `absorb`
+               where the clients' rows are; the round's participants afterwards) compute DP-CalR (Alg. 2)
                on the global model: `calr_views` augmented views of each of their examples through
                the encoder + projector in inference mode, NormClip(sqrt(mu)), the mean of ž žᵀ, plus
                i.i.d. N(0, sigma²) on all H² entries from the client's own key. The server keeps the
@@ -164,23 +165,34 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       r = privacy.add_noise(jax.random.fold_in(ckey, NOISE_STREAM), r, sigma)
     return r.astype(server['cov'].dtype)
 
+  # The first share round (1-indexed): Alg. 1's all-clients branch, every client's matrix from its
+  # own rows (`Prepare.summarize`, computed where the rows are: by block under 'divided').
+  first_share = (share_start // share_every + 1) * share_every
+
+  def everyone(server, stacks, data, ids, key):
+    del stacks
+    (cids,) = ids
+    return (jax.lax.map(lambda c: upload_matrix(server, data, c, key), cids),)
+
+  def take_everyone(server, rows):
+    (cov,) = rows
+    return dict(server, cov=cov, shares=server['shares'] + 1)
+
   def prepare(state, data, ids, key):
     server, t = state.server, state.round + 1
     cov, shares = server['cov'], server['shares']
-    upload = lambda cids: jax.lax.map(lambda c: upload_matrix(server, data, c, key), cids)
 
     def nobody():
       return cov, shares
 
-    def everyone():  # the first share round: Alg. 1's all-clients branch
-      return upload(jnp.arange(cov.shape[0])), shares + 1
-
     def participants():
-      return cov.at[ids].set(upload(ids)), shares.at[ids].add(1)
+      return (cov.at[ids].set(jax.lax.map(lambda c: upload_matrix(server, data, c, key), ids)),
+              shares.at[ids].add(1))
 
-    branch = jnp.where(is_share_round(t, share_start, share_every),
-                       jnp.where(jnp.any(shares > 0), 2, 1), 0)
-    cov, shares = jax.lax.switch(branch, (nobody, everyone, participants))
+    # The first share round's uploads were taken in before (`take_everyone`); later share rounds
+    # upload the participants' matrices.
+    later = is_share_round(t, share_start, share_every) & (t != first_share)
+    cov, shares = jax.lax.cond(later, participants, nobody)
     # Cast to the state's own dtypes, so a float64 state (x64) stays float64.
     return dict(server, cov=cov, shares=shares,
                 q=share_weights(data.n, matrix_weights).astype(server['q'].dtype),
@@ -209,8 +221,11 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
     return dict(server, model=weighted_mean(payloads, weights))
 
   def prepare_upload_bytes(state, after):
-    """Bytes of the matrices uploaded in `prepare` this round (one [H, H] per new share)."""
-    fresh = jnp.sum(after['shares'] - state.server['shares']).astype(jnp.float32)
+    """Bytes of the matrices uploaded before training this round (one [H, H] per new share): every
+    client's at the first share round (taken in before `prepare`, so counted by the round: the
+    'host' and 'divided' steps take them in before `state`), the new shares' after it."""
+    fresh = jnp.where(state.round + 1 == first_share, after['shares'].shape[0],
+                      jnp.sum(after['shares'] - state.server['shares'])).astype(jnp.float32)
     return fresh * float(comm.tree_bytes(after['cov'][0]))
 
   def host_metrics(state):
@@ -226,8 +241,9 @@ def make(spec: ssl_client.ClientSpec, *, num_rounds: int, share: bool = True,
       encoder_apply=lambda v, x: spec.model.encoder.apply(ssl_client.encoder_variables(v), x,
                                                           train=False),
       # The first share round uploads every client's matrix (Alg. 1), from every client's data.
-      prepare=(Prepare(prepare, upload_bytes=prepare_upload_bytes, reads_data=True) if share
-               else None),
+      prepare=(Prepare(prepare, upload_bytes=prepare_upload_bytes, summarize=everyone,
+                       absorb=take_everyone, summarize_reads_data=True,
+                       summarize_when=lambda r: r + 1 == first_share) if share else None),
       personalize=personalize if share else None,
       host_metrics=host_metrics if (share and ledger is not None) else None,
       ragged_batches=True,

@@ -213,10 +213,10 @@ def make(specs: Sequence[Tuple[str, ssl_client.ClientSpec]], members: Sequence[S
               'mu': jnp.zeros((), jnp.float32)}
     return clients, server
 
-  def initial_representations(stacks, data, ids, key):
+  def initial_representations(server, stacks, data, ids, key):
     """A27: K̄ of round 0 from the initial models of every client: per cohort [n, L, d_c] for the
     n clients of its stack given (all, or one process's block), from the public set alone."""
-    del ids, key
+    del server, ids, key
     return tuple(jax.lax.map(lambda c, s=spec: upload_representations(
         s, _variables(c), data.public_x, bn_mode=bn_mode, chunk=b_r), stack)
                  for (_, spec), stack in zip(specs, stacks))

@@ -136,7 +136,8 @@ def summaries_from_models(summarize):
   """`Prepare.summarize` of round 0's summaries from the clients' untrained models (A8): the one
   cohort's `initial_summaries` of the clients `ids`, their draws from the round key's
   `INIT_STREAM`."""
-  def rows(stacks, data, ids, key):
+  def rows(server, stacks, data, ids, key):
+    del server
     (clients,), (cids,) = stacks, ids
     return (initial_summaries(summarize, clients, data, cids,
                               jax.random.fold_in(rng.server_key(key), INIT_STREAM)),)

@@ -32,15 +32,17 @@ serve; an algorithm without them computes exactly what it did before they existe
     reads_data: bool                                 (`fn` reads the data of clients other than the
                                                       round's participants: such an algorithm
                                                       needs placement='replicated')
-    summarize(stacks, data, ids, key)     -> rows      (optional, with `absorb`: at round 0 only,
-    absorb(server, rows)                  -> server     before `fn`, the server takes in one row
+    summarize(server, stacks, data, ids, key) -> rows  (optional, with `absorb`: at round 0, or
+    absorb(server, rows)                  -> server     at the rounds `summarize_when(round)` says,
+    summarize_when(round)                 -> bool       before `fn`, the server takes in one row
                                                       per client of each cohort's stack given
                                                       (ids: int32 [n_c] per cohort, the rows'
                                                       client ids; data holds their rows; key the
-                                                      round key), row i from client ids[i]'s
-                                                      state and data alone (Hetero-SSFL's initial
-                                                      representations, representation sharing's
-                                                      and FD's initial prototypes). Rows are
+                                                      round key), row i from the server and
+                                                      client ids[i]'s state and data alone
+                                                      (Hetero-SSFL's initial representations,
+                                                      representation sharing's and FD's initial
+                                                      prototypes, FedSC's first share round). Rows are
                                                       computed where the states are: per block
                                                       and gathered under placement 'divided', row
                                                       by row for host-resident states, so neither
@@ -124,6 +126,7 @@ class Prepare:
   summarize: Optional[Callable[..., Any]] = None
   absorb: Optional[Callable[..., Any]] = None
   summarize_reads_data: bool = False
+  summarize_when: Optional[Callable[..., Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,27 +206,35 @@ def cohort_slots(ids: jax.Array, cohort: Cohort, num_clients: int, m: int) -> Co
 
 def prepare_server(algo: Algorithm, state: FedState, data: FedData, ids, key,
                    absorb: bool = True):
-  """The server state after the algorithm's `prepare` hook (unchanged without one); at round 0,
-  with `state.clients` present and `absorb`, after `absorb`ing every client's `summarize` row
-  first (the 'host' and 'divided' round steps, whose device program holds no client stack, absorb
-  them before it: `absorb_summaries`)."""
+  """The server state after the algorithm's `prepare` hook (unchanged without one); at a round of
+  `summaries_due`, with `state.clients` present and `absorb`, after `absorb`ing every client's
+  `summarize` row first (the 'host' and 'divided' round steps, whose device program holds no
+  client stack, absorb them before it: `absorb_summaries`)."""
   p = algo.prepare
   if p is None:
     return state.server
   if p.summarize is not None and state.clients is not None and absorb:
     members = tuple(jnp.asarray(c.members, jnp.int32) for c in cohorts(algo, data.n.shape[0]))
     state = state.replace(server=jax.lax.cond(
-        state.round == 0,
-        lambda: p.absorb(state.server, p.summarize(cohort_stacks(algo, state.clients), data,
-                                                   members, key)),
+        summaries_due(algo, state.round),
+        lambda: p.absorb(state.server, p.summarize(state.server, cohort_stacks(algo, state.clients),
+                                                   data, members, key)),
         lambda: state.server))
   return p.fn(state, data, ids, key)
+
+
+def summaries_due(algo: Algorithm, round_idx):
+  """Whether round `round_idx` (0-based; an int or traced) absorbs the clients' `summarize` rows
+  before `prepare.fn`: `summarize_when(round_idx)`, by default round 0."""
+  p = algo.prepare
+  return p.summarize_when(round_idx) if p.summarize_when is not None else round_idx == 0
 
 
 def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data: FedData,
                      key: jax.Array):
   """`prepare.absorb(server, rows)` with every client's `summarize` row, computed where the client
-  states are (the 'host' and 'divided' round steps at round 0): a block on a device in one
+  states are (the 'host' and 'divided' round steps, at a round of `summaries_due`): a block on a
+  device in one
   program, host-resident rows one client at a time (a device never holds more than one client of
   each cohort), then gathered from every process's block (`placement.exchange`, rows moved,
   never summed).
@@ -243,12 +251,12 @@ def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data
          for c, b in zip(cohorts(algo, data.n.shape[0]), blocks)]
   data = jax.device_put(data)  # once, not with every client's call below
   if placement.on_device(stacks):
-    held = jax.device_get(summarize(stacks, data, tuple(ids), key))
+    held = jax.device_get(summarize(server, stacks, data, tuple(ids), key))
   else:
     sizes = [b.hi - b.lo for b in blocks]
     rows = [tuple(min(j, n - 1) for n in sizes) for j in range(max(sizes))]
     per_row = [jax.device_get(summarize(
-        tuple(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], st) for st, i in zip(stacks, r)),
+        server, tuple(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], st) for st, i in zip(stacks, r)),
         data, tuple(i_c[i:i + 1] for i_c, i in zip(ids, r)), key)) for r in rows]
     held = tuple(jax.tree_util.tree_map(lambda *r: np.concatenate(r), *[row[c] for row in
                                                                            per_row[:n]])
@@ -585,9 +593,10 @@ def _divided_round_step(algo: Algorithm, num_clients: int, participants: Callabl
 
 def _absorbs(algo: Algorithm, state: FedState) -> bool:
   """Whether a round step whose device program holds no client stack absorbs the clients'
-  summaries first (`absorb_summaries`): round 0 of an algorithm with `Prepare.summarize`."""
+  summaries first (`absorb_summaries`): a round of `summaries_due` of an algorithm with
+  `Prepare.summarize`."""
   return (algo.prepare is not None and algo.prepare.summarize is not None
-          and int(jax.device_get(state.round)) == 0)
+          and bool(summaries_due(algo, int(jax.device_get(state.round)))))
 
 
 def _host_round_step(algo: Algorithm, num_clients: int, participants: Callable,

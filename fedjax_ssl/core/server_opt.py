@@ -120,8 +120,10 @@ def wrap(algo: Algorithm, tx: optax.GradientTransformation) -> Algorithm:
         fn=lambda state, *a: dict(state.server, algorithm=p.fn(inner(state), *a)),
         upload_bytes=(None if p.upload_bytes is None else
                       lambda state, after: p.upload_bytes(inner(state), after['algorithm'])),
-        reads_clients=p.reads_clients, reads_data=p.reads_data, summarize=p.summarize,
-        summarize_reads_data=p.summarize_reads_data,
+        reads_clients=p.reads_clients, reads_data=p.reads_data,
+        summarize=(None if p.summarize is None else
+                   lambda server, *a: p.summarize(server['algorithm'], *a)),
+        summarize_reads_data=p.summarize_reads_data, summarize_when=p.summarize_when,
         absorb=(None if p.absorb is None else
                 lambda server, rows: dict(server, algorithm=p.absorb(server['algorithm'], rows))))
   return dataclasses.replace(

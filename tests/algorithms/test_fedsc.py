@@ -89,12 +89,13 @@ def _plan_config(**fedsc_overrides):
 
 def test_planned_shares_are_the_counts_the_round_step_makes():
   """The share counts known before training (privacy check, calibration) equal those the jitted
-  prepare hook accumulates when it runs every round with the run's keys."""
+  prepare step (`round.prepare_server`: the first share round's uploads taken in, then the hook)
+  accumulates when it runs every round with the run's keys."""
   config = _plan_config(share_start=1, share_every=2)
   algo = fedsc.make(_spec(), num_rounds=config.rounds, share_start=1, share_every=2,
                     calr_views=1, calr_batch=16)
   clients, server = algo.init(jax.random.PRNGKey(0), config.num_clients)
-  prepare = jax.jit(algo.prepare.fn)
+  prepare = jax.jit(lambda *a: rd.prepare_server(algo, *a))
   data, run_key = _data(), experiment.run_keys(config)[1]
   for r in range(config.rounds):
     key = rng.round_key(run_key, r)

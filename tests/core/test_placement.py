@@ -99,40 +99,46 @@ def test_a_divided_round_equals_the_replicated_round_bit_for_bit(name, client_st
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
 
 
-# Round 0's summaries of every client's untrained model on its own rows (representation sharing's
-# prototypes, FD's mean logits: `Prepare.summarize`, each client's draws from its id): under
-# 'divided' from the held block and the held rows (`placement.held_data`), host-resident models one
-# at a time, as the host-resident replicated round does: bit for bit.
-@pytest.mark.parametrize('name,client_state', [('repshare', 'host'), ('repshare', 'device'),
-                                               ('fd', 'device')])
-def test_round_zero_summaries_divided_equal_the_replicated_round_bit_for_bit(name, client_state):
+# Every client's summary on its own rows before a round (`Prepare.summarize`, each client's draws
+# from its id): representation sharing's prototypes and FD's mean logits of the untrained models at
+# round 0, FedSC's DP-CalR matrices under the server's model at the first share round (round 0 of
+# fedsc_dp, round 1 of fedsc_late_ragged; the next share rounds upload the participants'). Under
+# 'divided' from the held block and the held rows (`placement.held_data`), host-resident models
+# one at a time, as the host-resident replicated round does: bit for bit, the bytes counted too.
+@pytest.mark.parametrize('name,client_state,field', [
+    ('repshare', 'host', 'means'), ('repshare', 'device', 'means'), ('fd', 'device', 'means'),
+    ('fedsc_dp', 'device', 'cov'), ('fedsc_late_ragged', 'host', 'cov')])
+def test_summaries_before_a_round_divided_equal_the_replicated_round_bit_for_bit(
+    name, client_state, field):
   want = _rounds(name, 'replicated', 'host')
   got = _rounds(name, 'divided', client_state)
-  assert float(np.abs(want[0][1]['means']).max()) > 0  # the summaries are there
+  assert float(np.abs(want[-1][1][field]).max()) > 0  # the summaries are there
   for r, (g, w) in enumerate(zip(got, want)):
     for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f'{name} round {r}')
 
 
-@pytest.mark.parametrize('name', ['repshare', 'fd'])
+@pytest.mark.parametrize('name', ['repshare', 'fd', 'fedsc_dp'])
 def test_two_processes_blocks_summarize_their_clients_as_the_whole_federation(name):
   """Each of two processes' blocks (its models from `init_state(process=)`, its rows through
-  `placement.held_data`, their client ids) gives the whole federation's round-0 summaries of its
-  clients, bit for bit: the rows the gather joins (the gather itself: the placement worker)."""
-  algo = trs._algo({'repshare': 'ours'}.get(name, name))[0]
+  `placement.held_data`, their client ids) gives the whole federation's summaries of its clients,
+  bit for bit: the rows the gather joins (the gather itself: the placement worker)."""
+  algo = (eq._algo(name)[0] if name.startswith('fedsc') else
+          trs._algo({'repshare': 'ours'}.get(name, name))[0])
   fed = th._hetero_data()
   key = rng.round_key(jax.random.PRNGKey(7), 0)
   whole = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS)
   summarize = jax.jit(algo.prepare.summarize)
-  (want,) = summarize((whole.clients,), fed, (jnp.arange(eq.NUM_CLIENTS),), key)
+  (want,) = summarize(whole.server, (whole.clients,), fed, (jnp.arange(eq.NUM_CLIENTS),), key)
   for p in range(2):
     local = placement.divide(fed, p, 2)
     block = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, process=(p, 2))
-    (got,) = summarize((block.clients,), placement.held_data(local),
+    (got,) = summarize(block.server, (block.clients,), placement.held_data(local),
                        (jnp.arange(local.lo, local.hi),), key)
-    for k in want:
-      np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k])[local.lo:local.hi],
-                                    err_msg=f'{name} process {p} {k}')
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got),
+                            jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[local.lo:local.hi],
+                                    err_msg=f'{name} process {p} {jax.tree_util.keystr(path)}')
 
 
 def test_message_bytes_of_a_processs_block_equal_the_whole_stacks():

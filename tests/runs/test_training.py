@@ -109,14 +109,18 @@ def _records(workdir):
 
 
 @pytest.mark.parametrize('overrides,message', [
-    (dict(algorithm='fedsc', ssl_method='sc', client_state='host'),
-     "config.placement = 'divided' is invalid for algorithm 'fedsc': its `prepare` reads clients "
-     "other than the round's participants; use 'replicated'"),
+    (dict(algorithm='hetero_ssfl', ssl_method='simclr', per_client_eval=True, num_clients=4,
+          clients_per_round=3),
+     "config.per_client_eval = True is invalid for algorithm 'hetero_ssfl' under placement "
+     "'divided': a client's model is held by its cohort's block, its rows by its id's block; use "
+     "'replicated'"),
 ])
-def test_divided_placement_refuses_what_reads_every_client_before_training(tmp_path, overrides,
-                                                                            message):
+def test_divided_placement_refuses_what_it_cannot_divide_before_training(tmp_path, overrides,
+                                                                          message):
   from fedjax_ssl.runs import training as train  # pylint: disable=g-import-not-at-top
   config = tiny_config(placement='divided', **overrides)
+  if overrides['algorithm'] == 'hetero_ssfl':
+    config.hetero_ssfl.update(mix='small_cnn:2,mlp:2', mu=0.0)
   with pytest.raises(ConfigError, match=re.escape(message)):
     train.train_and_evaluate(config, str(tmp_path / 'w'), verbose=False)
   assert not (tmp_path / 'w' / 'metrics.jsonl').exists()
