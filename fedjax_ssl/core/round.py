@@ -459,7 +459,7 @@ def validate(cfg: RoundConfig, num_clients: int, algo: Algorithm | None = None) 
                        "'replicated'")
     if algo.prepare is not None and algo.prepare.summarize_reads_data and algo.cohorts:
       raise ValueError(f"placement = 'divided' is invalid for algorithm {algo.name!r}: its "
-                       "round-0 summaries read each client's rows, which a process holds by "
+                       "summaries before a round read each client's rows, which a process holds by "
                        "client id while it holds its cohorts' states by member rank; use "
                        "'replicated'")
   local.lane_widths(cfg.clients_per_round, cfg.vmap_shrink)  # raises on a bad vmap_shrink

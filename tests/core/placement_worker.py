@@ -44,6 +44,7 @@ def main(out, placement_, num_processes, process_id, coordinator=None):
       rows[f'{r}{jax.tree_util.keystr(path)}'] = np.array(leaf, copy=True)  # host: written in place
   if jax.device_count() <= 2:  # cohorts of 3 clients: a block for each of 2 processes at most
     rows.update(_cohort_rounds(data, placement_, process_id, num_processes))
+    rows.update(_fedsc_rounds(data, placement_, process_id, num_processes))
   # Every client's rows back on every process (the divided evaluation's gather of features): the
   # held rows' per-row sums stand for their features.
   held = np.asarray(jax.device_get(data.x), np.float32).reshape(len(data.x), -1).sum(axis=1)
@@ -83,6 +84,28 @@ def _eval_config():
 
 def _eval_dataset():
   return sources.make_synthetic(num_train=40, num_test=12, image_shape=(8, 8, 1))
+
+
+def _fedsc_rounds(data, placement_, process_id, num_processes):
+  """Two rounds of FedSC with DP-CalR (`fedsc_dp`): at its first share round (round 0) every
+  client's matrix from its own rows, computed by the process holding them and gathered
+  (`round.absorb_summaries`), the participants' at round 1; host-resident state either way.
+  'shard' over the P devices either way, so the server's mean adds the same terms in the same
+  order (under 'vmap' one process's program and two processes' replicated one round the model
+  differently, ~1e-7)."""
+  algo = eq._algo('fedsc_dp')[0]
+  divided = placement_ == 'divided'
+  cfg = dataclasses.replace(eq._round_cfg('shard', 4, client_state='host'), placement=placement_)
+  step = rd.make_round_step(algo, cfg, eq.NUM_CLIENTS, donate=False)
+  state = rd.init_state(algo, jax.random.PRNGKey(3), eq.NUM_CLIENTS, client_state='host',
+                        process=(process_id, num_processes) if divided else None)
+  rows = {}
+  for r in range(2):
+    state, metrics = step(state, data, rng.round_key(jax.random.PRNGKey(7), r))
+    tree = jax.device_get({'server': state.server, 'metrics': metrics})
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      rows[f'fedsc{r}{jax.tree_util.keystr(path)}'] = np.array(leaf, copy=True)
+  return rows
 
 
 def _cohort_rounds(data, placement_, process_id, num_processes):

@@ -240,7 +240,8 @@ def test_processes_holding_a_block_of_clients_each_equal_one_process(tmp_path, p
   by the process holding it, the scores gathered (exact). At P = 2 also Hetero-SSFL's
   two cohorts of 3 (`placement_worker._cohort_rounds`): each process holds its block of each
   cohort's personal models (2 + 1 rows), with alignment (round 0's representations computed per
-  block and gathered), bit for bit."""
+  block and gathered), and FedSC's first share round (every client's DP-CalR matrix computed by the
+  process holding its rows, gathered), bit for bit."""
   (one,) = _workers(tmp_path, 'replicated', 1, processes)
   divided = _workers(tmp_path, 'divided', processes, 1)
   assert [(int(t['lo']), int(t['hi'])) for t in divided] == blocks
