@@ -5,8 +5,8 @@ inter-client term built from the other clients' shared, optionally DP-noised, co
 Round t (1-indexed; decisions in docs/notes/fedsc.md):
   prepare      if t is a share round, the uploaders (every client at the first share round, as
                Alg. 1's t = 1 branch, taken in before the hook by `Prepare.summarize` / `absorb`
-               where the clients' rows are; the round's participants afterwards) compute DP-CalR (Alg. 2)
-               on the global model: `calr_views` augmented views of each of their examples through
+               where the clients' rows are; the round's participants afterwards) compute DP-CalR
+               (Alg. 2) on the global model: `calr_views` augmented views of each of their examples through
                the encoder + projector in inference mode, NormClip(sqrt(mu)), the mean of ž žᵀ, plus
                i.i.d. N(0, sigma²) on all H² entries from the client's own key. The server keeps the
                latest matrix of every client (stale for the others) and counts its shares.

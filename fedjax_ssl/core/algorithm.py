@@ -42,8 +42,8 @@ serve; an algorithm without them computes exactly what it did before they existe
                                                       client ids[i]'s state and data alone
                                                       (Hetero-SSFL's initial representations,
                                                       representation sharing's and FD's initial
-                                                      prototypes, FedSC's first share round). Rows are
-                                                      computed where the states are: per block
+                                                      prototypes, FedSC's first share round).
+                                                      Rows are computed where the states are: per block
                                                       and gathered under placement 'divided', row
                                                       by row for host-resident states, so neither
                                                       needs every client on a device)

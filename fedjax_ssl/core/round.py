@@ -234,10 +234,9 @@ def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data
                      key: jax.Array):
   """`prepare.absorb(server, rows)` with every client's `summarize` row, computed where the client
   states are (the 'host' and 'divided' round steps, at a round of `summaries_due`): a block on a
-  device in one
-  program, host-resident rows one client at a time (a device never holds more than one client of
-  each cohort), then gathered from every process's block (`placement.exchange`, rows moved,
-  never summed).
+  device in one program, host-resident rows one client at a time (a device never holds more than
+  one client of each cohort), then gathered from every process's block (`placement.exchange`,
+  rows moved, never summed).
 
   Args:
     stacks: per cohort, this process's block of the stack (leaves [hi - lo, ...]).
@@ -253,13 +252,18 @@ def absorb_summaries(algo: Algorithm, server, stacks: Tuple, blocks: Tuple, data
   if placement.on_device(stacks):
     held = jax.device_get(summarize(server, stacks, data, tuple(ids), key))
   else:
+    # Call j takes row j of every cohort's block (its last row again once a smaller block is
+    # done); cohort c keeps the rows of its first n_c calls.
     sizes = [b.hi - b.lo for b in blocks]
-    rows = [tuple(min(j, n - 1) for n in sizes) for j in range(max(sizes))]
-    per_row = [jax.device_get(summarize(
-        server, tuple(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], st) for st, i in zip(stacks, r)),
-        data, tuple(i_c[i:i + 1] for i_c, i in zip(ids, r)), key)) for r in rows]
-    held = tuple(jax.tree_util.tree_map(lambda *r: np.concatenate(r), *[row[c] for row in
-                                                                           per_row[:n]])
+    per_row = []
+    for j in range(max(sizes)):
+      picks = [min(j, n - 1) for n in sizes]
+      one = tuple(jax.tree_util.tree_map(lambda a, i=i: a[i:i + 1], st)
+                  for st, i in zip(stacks, picks))
+      per_row.append(jax.device_get(summarize(
+          server, one, data, tuple(i_c[i:i + 1] for i_c, i in zip(ids, picks)), key)))
+    held = tuple(jax.tree_util.tree_map(lambda *r: np.concatenate(r),
+                                        *[row[c] for row in per_row[:n]])
                  for c, n in enumerate(sizes))
   summaries = tuple(placement.exchange(h, placement.owners(np.arange(b.num), b.num,
                                                            b.process_count), b.process_count)
