@@ -14,10 +14,16 @@ Writes OUT/geometry.json, OUT/geometry.md (mean +- std over seeds per cell; with
 ssd>fedalignuniform,... a verdict per claim, column and metric) and OUT/spectrum.png (log singular
 values, mean over seeds, per cell, random init dashed). --render_only rewrites geometry.md from
 geometry.json.
+
+Checkpoints are not committed (HARN-15), so a clone, or a table finished across machines, holds
+some runs' checkpoints only. A run without one keeps its entry of the previous geometry.json when
+that entry was measured on the same results.json (its sha256 is stored beside the measurement);
+otherwise it is listed in geometry.md as not measured.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import pathlib
 import statistics
@@ -64,8 +70,17 @@ def measure(algo, state, dataset, config, num_images: int) -> dict:
           'spectrum': spectrum.tolist()}
 
 
-def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
+def results_digest(workdir: pathlib.Path) -> str:
+  """sha256 of the run's results.json: which finished run a measurement belongs to."""
+  return hashlib.sha256(RunDir(workdir).results_file.read_bytes()).hexdigest()
+
+
+def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict | None:
+  """The trained and random-init geometry of one finished run, with its results_digest; None when
+  the run has no checkpoint here."""
   rundir = RunDir(workdir)
+  if not rundir.checkpoints.is_dir():
+    return None
   config = rundir.read_config()
   key = (config.dataset, config.train_size)
   if key not in datasets:
@@ -77,9 +92,21 @@ def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict:
   init_key, _ = experiment.run_keys(config)
   random_state = rd.init_state(algo, init_key, config.num_clients)
   with rundir.checkpointer(read_only=True) as ckpt:
+    if ckpt.latest_round() is None:
+      return None
     _, trained, _ = ckpt.restore(random_state)
   return {'trained': measure(algo, trained, dataset, config, num_images),
-          'random_init': measure(algo, random_state, dataset, config, num_images)}
+          'random_init': measure(algo, random_state, dataset, config, num_images),
+          'results_sha256': results_digest(workdir)}
+
+
+def kept_entry(previous: dict, workdir: pathlib.Path) -> dict | None:
+  """The previous geometry.json's entry for this run when it was measured on the same
+  results.json; None otherwise (absent, or the run was redone since)."""
+  entry = previous.get(workdir.parent.name, {}).get(workdir.name)
+  if entry is None or entry.get('results_sha256') != results_digest(workdir):
+    return None
+  return entry
 
 
 def _mean_std(values):
@@ -123,9 +150,10 @@ def verdict_lines(results: dict, claims) -> list:
   return lines
 
 
-def markdown(results: dict, claims=()) -> str:
-  """geometry.md: mean ± std over seeds per cell, the first run's random init, and with `claims`
-  a verdict section (`verdict_lines`)."""
+def markdown(results: dict, claims=(), missing=()) -> str:
+  """geometry.md: mean ± std over seeds per cell, the first run's random init, the finished runs
+  `missing` from `results` ('cell/seedK', not measured), and with `claims` a verdict section
+  (`verdict_lines`)."""
   lines = ['| cell | seeds | ' + ' | '.join(METRICS) + ' |', '|---|---|' + '---|' * len(METRICS)]
   for cell, seeds in sorted(results.items()):
     cols = [f'{m:.3f} ± {s:.3f}' for m, s in
@@ -134,6 +162,9 @@ def markdown(results: dict, claims=()) -> str:
   for r in [r['random_init'] for seeds in results.values() for r in seeds.values()][:1]:
     lines.append('| random init (first run) | 1 | ' + ' | '.join(f'{r[k]:.3f}' for k in METRICS)
                  + ' |')
+  if missing:
+    lines += ['', f'Not measured ({len(missing)} finished runs with no checkpoint here and no '
+              'earlier measurement of the same results.json): ' + ', '.join(missing) + '.']
   if claims:
     lines += ['', '## Verdict', '',
               'Effect = better row − worse row, signed so that > 0 means better (lower uniformity '
@@ -141,6 +172,17 @@ def markdown(results: dict, claims=()) -> str:
               'larger seed std. *Confirmed* needs effect > 2 × spread, *reversed* effect < −2 × '
               'spread.', '', *verdict_lines(results, claims)]
   return '\n'.join(lines) + '\n'
+
+
+def finished_runs(out: pathlib.Path) -> list:
+  """OUT/runs/<cell>/seed<k> directories holding a results.json, sorted."""
+  return sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
+
+
+def _missing(out: pathlib.Path, results: dict) -> list:
+  return [f'{r.parent.name}/{r.name}' for r in finished_runs(out)
+          if r.name not in results.get(r.parent.name, {})]
+
 
 
 def define_flags() -> None:
@@ -165,18 +207,30 @@ def main(argv):
     if not (out / 'geometry.json').exists():
       raise SystemExit(f'error: --render_only: {out / "geometry.json"} does not exist: run '
                        'without --render_only first')
-    (out / 'geometry.md').write_text(markdown(json.loads((out / 'geometry.json').read_text()),
-                                              claims))
+    results = json.loads((out / 'geometry.json').read_text())
+    (out / 'geometry.md').write_text(markdown(results, claims, _missing(out, results)))
     print((out / 'geometry.md').read_text(), end='')
     return
-  runs = sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
+  runs = finished_runs(out)
   if not runs:
     raise SystemExit(f'error: no finished runs under {out / "runs"}')
+  previous = (json.loads((out / 'geometry.json').read_text())
+              if (out / 'geometry.json').exists() else {})
   datasets, results = {}, collections.defaultdict(dict)
   for run in runs:
-    results[run.parent.name][run.name] = measure_run(run, datasets, flags.FLAGS.num_images)
-    print(run.parent.name, run.name, {k: round(results[run.parent.name][run.name]['trained'][k], 4)
-                                       for k in METRICS}, flush=True)
+    entry = measure_run(run, datasets, flags.FLAGS.num_images)
+    how = 'measured'
+    if entry is None:
+      entry, how = kept_entry(previous, run), 'kept from geometry.json'
+    if entry is None:
+      print(run.parent.name, run.name, 'not measured: no checkpoint', flush=True)
+      continue
+    results[run.parent.name][run.name] = entry
+    print(run.parent.name, run.name, how, {k: round(entry['trained'][k], 4) for k in METRICS},
+          flush=True)
+  if not results:
+    raise SystemExit(f'error: no run under {out / "runs"} has a checkpoint or an earlier '
+                     'measurement in geometry.json')
   (out / 'geometry.json').write_text(json.dumps(results, indent=1))
   ref = [r['random_init'] for seeds in results.values() for r in seeds.values()][:1]
   fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -192,7 +246,7 @@ def main(argv):
   fig.tight_layout()
   plotting.save_figure(fig, out / 'spectrum.png', dpi=120)
   plt.close(fig)
-  (out / 'geometry.md').write_text(markdown(results, claims))
+  (out / 'geometry.md').write_text(markdown(results, claims, _missing(out, results)))
   print((out / 'geometry.md').read_text(), end='')
 
 

@@ -41,3 +41,30 @@ def test_claims_are_signed_so_that_better_geometry_is_a_positive_effect():
 def test_a_claim_that_is_not_row_gt_row_is_refused_naming_it(text):
   with pytest.raises(ValueError, match=f'--claims entry {text!r} is invalid'):
     evidence.parse_claim(text)
+
+
+def test_a_run_without_a_checkpoint_keeps_only_a_measurement_of_the_same_results(tmp_path):
+  # Checkpoints are not committed: a clone re-measures the runs it has checkpoints for and keeps
+  # the others' earlier entries only where results.json is byte-for-byte the one measured.
+  for cell, seed in [('a.col', 'seed0'), ('a.col', 'seed1'), ('b.col', 'seed0')]:
+    run = tmp_path / 'runs' / cell / seed
+    run.mkdir(parents=True)
+    (run / 'results.json').write_text(f'{{"run": "{cell}/{seed}"}}')
+  runs = evidence.finished_runs(tmp_path)
+  assert [f'{r.parent.name}/{r.name}' for r in runs] == ['a.col/seed0', 'a.col/seed1',
+                                                          'b.col/seed0']
+  assert evidence.measure_run(runs[0], {}, 10) is None        # no checkpoints directory
+  same = dict(_run(-1.0, 0.2, 8.0), results_sha256=evidence.results_digest(runs[0]))
+  redone = dict(_run(-2.0, 0.2, 8.0), results_sha256=evidence.results_digest(runs[0]))
+  unstamped = _run(-3.0, 0.2, 8.0)
+  previous = {'a.col': {'seed0': same, 'seed1': redone}, 'b.col': {'seed0': unstamped}}
+  assert evidence.kept_entry(previous, runs[0]) is same
+  assert evidence.kept_entry(previous, runs[1]) is None       # measured on another results.json
+  assert evidence.kept_entry(previous, runs[2]) is None       # no digest: not known to match
+  results = {'a.col': {'seed0': same}}
+  missing = evidence._missing(tmp_path, results)  # pylint: disable=protected-access
+  assert missing == ['a.col/seed1', 'b.col/seed0']
+  assert ('Not measured (2 finished runs with no checkpoint here and no earlier measurement of '
+          'the same results.json): a.col/seed1, b.col/seed0.') in evidence.markdown(results,
+                                                                                  missing=missing)
+  assert 'Not measured' not in evidence.markdown(results)
