@@ -54,13 +54,15 @@ def row(algorithm: str, **extra):
 
 
 def rows():
-  """SSD, its two ablations and the baselines with the coefficients of the SSD code's runs
-  (FedU2: the code's SWD FUR at 0.01, EUA as the FedU2 code; FedDecorr 0.01; FedX and L-DAWA with
-  their own defaults)."""
+  """SSD, its two ablations, hard separation (HSD: DSR's target the projection onto the client's
+  subspace, with PD; the paper's soft-against-hard comparison) and the baselines with the
+  coefficients of the SSD code's runs (FedU2: the code's SWD FUR at 0.01, EUA as the FedU2 code;
+  FedDecorr 0.01; FedX and L-DAWA with their own defaults)."""
   return {
       'SSD': row('ssd'),
       'FedAlignUniform + DSR': row('ssd', **{'ssd.delta': 0.0}),
       'FedAlignUniform + PD': row('ssd', **{'ssd.gamma': 0.0}),
+      'HSD': row('ssd', **{'ssd.separation': 'hard'}),
       'FedAlignUniform': row('fedavg'),
       'FedU2': row('fedu2', **{'fedu2.fur': 'swd', 'fedu2.lambda_u': 0.01}),
       'FedDecorr': row('feddecorr', **{'feddecorr.beta': 0.01}),

@@ -9,7 +9,8 @@ table) in the same runs.
   python -m experiments.fedu2.evidence --out DIR --claims ssd>fedalignuniform,...   # geometry
 
 Rows: SSD (FedAvg + DSR + PD on alignment-uniformity, the code's gamma 1, delta 0.1, alpha 10, tau
-0.5), its ablations (FedAlignUniform + DSR: delta 0; FedAlignUniform + PD: gamma 0), and the
+0.5), its ablations (FedAlignUniform + DSR: delta 0; FedAlignUniform + PD: gamma 0), HSD (hard
+separation: ssd.separation = 'hard', the paper's soft-against-hard comparison), and the
 paper's baselines, every one on the alignment-uniformity base: FedAlignUniform (FedAvg), FedU2 (the
 SSD code's FUR coefficient 0.01, with the FedU2 code's SWD FUR), FedDecorr (0.01), FedX and L-DAWA;
 plus supervised FedAvg as a reference (raw pixels and the random-init encoder come with every run).
@@ -45,6 +46,7 @@ def claims(metric: str, columns=()):
           tables.Claim('SSD (+DSR +PD) > +DSR', 'SSD', 'FedAlignUniform + DSR', metric,
                        columns),
           tables.Claim('SSD (+DSR +PD) > +PD', 'SSD', 'FedAlignUniform + PD', metric, columns),
+          tables.Claim('SSD (soft) > HSD (hard)', 'SSD', 'HSD', metric, columns),
           tables.Claim('SSD > random init', 'SSD', tables.RANDOM_INIT, metric, columns),
           tables.Claim('SSD > raw pixels', 'SSD', tables.RAW_PIXELS, metric, columns)]
   return tuple(out)
@@ -65,9 +67,11 @@ PAPER = {
     'SSD': ((81.32, 70.74, 81.67), (71.83, 57.77, 74.61), (57.38, 29.57, 49.87),
             (45.21, 17.70, 36.82)),
 }
-# The paper's ablation (CIFAR-10 cross-silo; the SSD and FedAlignUniform rows are Table 1's).
+# The paper's ablation (CIFAR-10 cross-silo; the SSD and FedAlignUniform rows are Table 1's), and
+# its soft-against-hard comparison, which gives HSD's linear probe only (None: not reported).
 PAPER_ABLATION = {'FedAlignUniform + PD': (80.74, 69.78, 80.71),
-                  'FedAlignUniform + DSR': (81.05, 69.77, 81.15)}
+                  'FedAlignUniform + DSR': (81.05, 69.77, 81.15),
+                  'HSD': (76.15, None, None)}
 PAPER_METRICS = ('probe_acc', 'ft_acc_1pct', 'ft_acc_10pct')
 
 
@@ -78,7 +82,7 @@ def _paper_table() -> tables.Table:
   paper = {(r, col, m): v for r, per_col in PAPER.items()
            for col, vals in zip(columns, per_col) for m, v in zip(PAPER_METRICS, vals)}
   paper.update({(r, 'C10 Silo', m): v for r, vals in PAPER_ABLATION.items()
-                for m, v in zip(PAPER_METRICS, vals)})
+                for m, v in zip(PAPER_METRICS, vals) if v is not None})
   return tables.Table(
       name='ssd_table1', title='SSD Table 1: linear probe and fine-tuning, Dirichlet(0.1)',
       base=common.paper_base(), rows=rows(), columns=columns,

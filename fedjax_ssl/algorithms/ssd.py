@@ -12,6 +12,9 @@ dimension-scaling vector (alpha on floor(D/K) disjoint dimensions, 1 elsewhere) 
 orthogonal basis Q shared by all clients; both are drawn once from the run's seed, before
 training, and never change. gamma = 1, delta = 0.1, alpha = 10, tau = 0.5 are the code's.
 gamma = delta = 0 is FedAvg of the base objective (FedAlignUniform in the paper) bit for bit.
+`ssd.separation = 'hard'` is the paper's hard separation (HSD, in its soft-against-hard
+comparison): d_k is 1 on the block and 0 elsewhere, so that DSR pulls each embedding towards its
+projection onto the client's subspace (`ops.ssd.scaling_vectors`).
 
 Which d a participant uses (`ssd.assign`): 'client' (default) d_k of its own id, every round;
 'slot' the code's: d_i of its position i among the round's participants (sorted ids), so only the
@@ -55,13 +58,14 @@ class SSDConfig:
   assign: str = 'client'
   pd_direction: str = 'code'
   pd_stopgrad_z: bool = False
+  separation: str = 'soft'
 
 
 def draw(seed: int, num_vectors: int, dim: int, sc: SSDConfig):
   """(Q [D, D], d [K, D]) float64, drawn once from `seed` (Q first, then the permutation)."""
   rng = np.random.default_rng([int(seed), SEED_STREAM])
   q = ops.orthogonal_basis(rng, dim, sc.basis)
-  return q, ops.scaling_vectors(rng, num_vectors, dim, sc.alpha, sc.subset_size)
+  return q, ops.scaling_vectors(rng, num_vectors, dim, sc.alpha, sc.subset_size, sc.separation)
 
 
 def regularizer(sc: SSDConfig, q: jax.Array, d: jax.Array):
@@ -154,6 +158,7 @@ def validate(config: ml_collections.ConfigDict, dataset_info=None) -> None:
   cv.check_choice('ssd.basis', s.basis, ops.BASES)
   cv.check_choice('ssd.assign', s.assign, ASSIGN)
   cv.check_choice('ssd.pd_direction', s.pd_direction, ops.PD_DIRECTIONS)
+  cv.check_choice('ssd.separation', s.separation, ops.SEPARATIONS)
   if not isinstance(s.pd_stopgrad_z, bool):
     raise cv.ConfigError(f'config.ssd.pd_stopgrad_z = {s.pd_stopgrad_z!r} is invalid: must be '
                          'True or False')

@@ -8,6 +8,8 @@ Uniformity in Federated Unsupervised Learning", ICCV 2025; official code github:
   distillation_loss  Projector Distillation of one view: KL between the softmaxes at temperature
                      tau of the projector output z and the encoder output h (batch mean)
   scaling_vectors    the per-client vectors d_k: alpha on floor(D/K) disjoint dimensions, 1 elsewhere
+                     (soft separation, SSD); or 1 on the block and 0 elsewhere (hard separation,
+                     HSD: the target is the embedding's projection onto the client's subspace)
   orthogonal_basis   the shared random orthogonal basis Q (QR of a Gaussian), or the identity
 
 The decisions, with the paper's and the code's alternatives: docs/notes/ssd.md.
@@ -23,6 +25,7 @@ from fedjax_ssl.ops.numerics import as_float, check_positive, l2_normalize
 DSR_FORMS = ('code', 'paper')
 PD_DIRECTIONS = ('code', 'paper')
 BASES = ('random_orthogonal', 'identity')
+SEPARATIONS = ('soft', 'hard')
 
 
 def _check_dsr_inputs(z, q, d) -> None:
@@ -133,25 +136,34 @@ def subset_size(dim: int, num_vectors: int, size: int = 0) -> int:
 
 
 def scaling_vectors(rng: np.random.Generator, num_vectors: int, dim: int, alpha: float,
-                    size: int = 0) -> np.ndarray:
+                    size: int = 0, separation: str = 'soft') -> np.ndarray:
   """The dimension-scaling vectors d_k (the code's `generate_weighted_subspaces`).
 
   A random permutation of the D dimensions is cut into blocks S_k = perm[k m : (k + 1) m],
-  k < K, m = subset_size(D, K, size); d_k is alpha on S_k and 1 elsewhere. The S_k are pairwise
-  disjoint; D - K m dimensions belong to nobody.
+  k < K, m = subset_size(D, K, size). The S_k are pairwise disjoint; D - K m dimensions belong to
+  nobody.
+    soft (SSD): d_k is alpha on S_k and 1 elsewhere.
+    hard (HSD, the paper's soft-against-hard comparison; not in the official code): d_k is 1 on
+      S_k and 0 elsewhere, so that `dsr_target` is z U_k U_kᵀ with U_k = Q[:, S_k], the
+      projection onto the client's subspace: in the code's form, the alpha -> infinity limit of
+      the soft target. alpha is not used. The same rng draws give the same blocks as soft.
 
   Args:
     rng: numpy Generator (the run's; drawn once, before training).
-    num_vectors: K; dim: D; alpha: > 0 (10); size: m, or 0 for floor(D / K).
+    num_vectors: K; dim: D; alpha: > 0 (10); size: m, or 0 for floor(D / K);
+    separation: 'soft' or 'hard'.
   Returns:
     float64 [K, D].
   """
   check_positive('alpha', alpha)
+  if separation not in SEPARATIONS:
+    raise ValueError(f'separation = {separation!r} is invalid: must be one of {SEPARATIONS}')
   m = subset_size(dim, num_vectors, size)
   perm = rng.permutation(dim)
-  d = np.ones((num_vectors, dim))
+  inside, outside = (alpha, 1.0) if separation == 'soft' else (1.0, 0.0)
+  d = np.full((num_vectors, dim), outside)
   for k in range(num_vectors):
-    d[k, perm[k * m:(k + 1) * m]] = alpha
+    d[k, perm[k * m:(k + 1) * m]] = inside
   return d
 
 

@@ -21,7 +21,7 @@ from tests.algorithms import test_registry
 from tests.algorithms.test_registry import _small_config
 from tests.core.test_round_equivalence import (AUG, BATCH, EPOCHS, NUM_CLIENTS, _assert_tree_close,
                                                _data, _float64, _overlay, _persisted, _round_cfg)
-from tests.ops.test_ssd import dsr_code, pd_code
+from tests.ops.test_ssd import dsr_code, dsr_hard_code, pd_code
 
 DIM = 6   # the encoder's features and the projector output (projector distillation compares them)
 
@@ -38,8 +38,8 @@ SPEC = _spec()
 
 
 @functools.lru_cache(maxsize=None)
-def _algo(assign='client', gamma=1.0, delta=0.1, stateless=True, m=4):
-  sc = ssd.SSDConfig(assign=assign, gamma=gamma, delta=delta)
+def _algo(assign='client', gamma=1.0, delta=0.1, stateless=True, m=4, separation='soft'):
+  sc = ssd.SSDConfig(assign=assign, gamma=gamma, delta=delta, separation=separation)
   q, d = ssd.draw(0, NUM_CLIENTS, DIM, sc)
   algo = ssd.make(SPEC, q=q, d=d, sc=sc, clients_per_round=m, stateless=stateless)
   return algo, jax.jit(algo.local_step)
@@ -99,17 +99,21 @@ def _client_and_batch(algo, seed=0):
   return client, {'x': jnp.asarray(x), 'y': jnp.zeros(16, jnp.int32)}
 
 
-@pytest.mark.parametrize('cid', [0, 4])
-def test_step_loss_is_the_base_loss_plus_half_the_view_sum_of_numpy_dsr_and_pd(cid):
+@pytest.mark.parametrize('cid,separation', [(0, 'soft'), (4, 'soft'), (4, 'hard')])
+def test_step_loss_is_the_base_loss_plus_half_the_view_sum_of_numpy_dsr_and_pd(cid, separation):
   gamma, delta = 0.7, 0.3
-  algo, _ = _algo(gamma=gamma, delta=delta)
-  q, d = ssd.draw(0, NUM_CLIENTS, DIM, ssd.SSDConfig())
+  algo, _ = _algo(gamma=gamma, delta=delta, separation=separation)
+  q, soft = ssd.draw(0, NUM_CLIENTS, DIM, ssd.SSDConfig())
+  _, d = ssd.draw(0, NUM_CLIENTS, DIM, ssd.SSDConfig(separation=separation))
+  # HSD's reference is the projection onto the soft vector's block (the same draws).
+  dsr = ((lambda z: dsr_code(z, q, d[cid])) if separation == 'soft' else
+         (lambda z: dsr_hard_code(z, q[:, soft[cid] > 1])))
   key = jax.random.PRNGKey(5)
   with jax.enable_x64(True):
     client, batch = _client_and_batch(algo)
     client = _float64(client)
-    reg = ssd.regularizer(ssd.SSDConfig(gamma=gamma, delta=delta), jnp.asarray(q),
-                          jnp.asarray(d[cid]))
+    reg = ssd.regularizer(ssd.SSDConfig(gamma=gamma, delta=delta, separation=separation),
+                          jnp.asarray(q), jnp.asarray(d[cid]))
     spec = ssl_client.ClientSpec(**{**SPEC.__dict__, 'feature_regularizer': reg,
                                     'regularized': 'outputs'})
     total, _ = ssl_client.loss_fn(spec, client['params'], client, batch, key)
@@ -122,7 +126,7 @@ def test_step_loss_is_the_base_loss_plus_half_the_view_sum_of_numpy_dsr_and_pd(c
     # The algorithm's own step: the same loss through its personalised index.
     _, step_loss = algo.local_step(client, batch, key, {'ssd_index': jnp.int32(cid)},
                                    jnp.float64(0.0))
-  want = sum(0.5 * (gamma * dsr_code(np.asarray(o['z']), q, d[cid])
+  want = sum(0.5 * (gamma * dsr(np.asarray(o['z']))
                     + delta * pd_code(np.asarray(o['h']), np.asarray(o['z']))) for o in outs)
   assert want > 1e-3 * abs(float(plain))
   # One forward of a 3-layer network and the terms, in float64: ~1e3 x 1.1e-16.
@@ -179,6 +183,7 @@ def test_upload_is_fedavgs_and_vectors_stay_with_their_client():
     ({'proj_out': 64}, r"config.ssd.delta = 0.1 is invalid with encoder 'mlp' \(128-d features\) "
                        r"and a 64-d projector output"),
     ({'ssd.assign': 'slots'}, r"config.ssd.assign = 'slots' is invalid: .*did you mean 'slot'"),
+    ({'ssd.separation': 'hsd'}, r"config.ssd.separation = 'hsd' is invalid: must be one of"),
 ])
 def test_bad_values_are_refused(overrides, message):
   with pytest.raises(cv.ConfigError, match=message):
@@ -188,8 +193,8 @@ def test_bad_values_are_refused(overrides, message):
 def test_defaults_are_the_codes():
   c = experiment.default_config().ssd
   assert (c.alpha, c.gamma, c.delta, c.temperature) == (10.0, 1.0, 0.1, 0.5)
-  assert (c.dsr_form, c.basis, c.assign, c.pd_direction) == ('code', 'random_orthogonal',
-                                                            'client', 'code')
+  assert (c.dsr_form, c.basis, c.assign, c.pd_direction, c.separation) == (
+      'code', 'random_orthogonal', 'client', 'code', 'soft')
   experiment.validate_config(_small_config('ssd', proj_out=64, **{'ssd.delta': 0.0}))
 
 

@@ -2,8 +2,8 @@
 (/work/shared/specs/ssd.md §6, written from the official code, not from our JAX), its hand-checked
 values and its invariants: alpha = 1 gives DSR = 0 with a zero gradient, an embedding inside or
 orthogonal to the client's block costs nothing, the rotation identity, no gradient through the
-target (jax.grad against the closed form), PD's direction, sign and shift invariance, and the
-scaling vectors' disjoint blocks."""
+target (jax.grad against the closed form), PD's direction, sign and shift invariance, the
+scaling vectors' disjoint blocks, and hard separation (HSD) against projection references."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +21,18 @@ def dsr_code(z, q, d):
   zh = l2n(z)
   t = l2n(((zh @ q) * d) @ q.T)
   return np.linalg.norm(zh - t) / zh.shape[0]
+
+
+def dsr_hard_code(z, u):
+  """HSD in the code's form: the target is the normalised projection onto span(u), u [D, m]."""
+  zh = l2n(z)
+  t = l2n(zh @ u @ u.T)
+  return np.linalg.norm(zh - t) / zh.shape[0]
+
+
+def dsr_hard_paper(z, u):
+  zh = l2n(z)
+  return np.mean(np.sum((zh - zh @ u @ u.T) ** 2, 1))
 
 
 def dsr_paper(z, d):
@@ -178,12 +190,41 @@ def test_scaling_vectors_are_disjoint_blocks_of_floor_d_over_k():
   assert np.array_equal(ssd.orthogonal_basis(rs, 4, 'identity'), np.eye(4))
 
 
+def test_hard_separation_targets_the_projection_onto_the_soft_block():
+  """HSD's vectors: 1 on the block the same draws give SSD, 0 elsewhere; its DSR equals the
+  projection references in both forms, is the alpha -> infinity limit of SSD's in the code's
+  form, costs nothing inside the block, and keeps the target's direction for an embedding with
+  little mass in the block (`dsr_target` forms z U Uᵀ as z minus the other directions)."""
+  soft = ssd.scaling_vectors(np.random.default_rng(11), 3, 10, 10.0)
+  hard = ssd.scaling_vectors(np.random.default_rng(11), 3, 10, 10.0, separation='hard')
+  assert set(np.unique(hard)) == {0.0, 1.0}
+  assert np.array_equal(hard == 1, soft > 1)
+  z, q, _ = _problem(12)
+  u = q[:, hard[1] == 1]
+  assert _x64(ssd.dsr_loss, z, q, hard[1]) == pytest.approx(dsr_hard_code(z, u), rel=1e-12)
+  assert _x64(ssd.dsr_loss, z, q, hard[1], form='paper') == pytest.approx(dsr_hard_paper(z, u),
+                                                                          rel=1e-12)
+  # Soft at alpha = 1e6: the normalised target differs from the projection's by O(1 / alpha).
+  limit = ssd.scaling_vectors(np.random.default_rng(11), 3, 10, 1e6)
+  assert _x64(ssd.dsr_loss, z, q, limit[1]) == pytest.approx(dsr_hard_code(z, u), rel=1e-5)
+  rs = np.random.default_rng(13)
+  inside = rs.normal(size=(5, u.shape[1])) @ u.T
+  outside = rs.normal(size=(5, 10 - u.shape[1])) @ q[:, hard[1] == 0].T
+  assert _x64(ssd.dsr_loss, inside, q, hard[1]) < 1e-14
+  mostly_outside = outside + 1e-3 * inside
+  # The target's direction carries ~1e-16 / 1e-3 of cancellation error.
+  assert _x64(ssd.dsr_loss, mostly_outside, q, hard[1]) == pytest.approx(
+      dsr_hard_code(mostly_outside, u), rel=1e-10)
+
+
 def test_bad_inputs_are_refused_in_one_line():
   rs = np.random.default_rng(9)
   with pytest.raises(ValueError, match=r'11 clients with 0 dimensions each do not fit in D = 10'):
     ssd.scaling_vectors(rs, 11, 10, 10.0)
   with pytest.raises(ValueError, match=r'alpha must be > 0, got 0.0'):
     ssd.scaling_vectors(rs, 2, 10, 0.0)
+  with pytest.raises(ValueError, match=r"separation = 'medium' is invalid: must be one of"):
+    ssd.scaling_vectors(rs, 2, 10, 10.0, separation='medium')
   with pytest.raises(ValueError, match=r'tau must be > 0, got -1'):
     ssd.distillation_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), -1)
   with pytest.raises(ValueError, match=r"form = 'squared' is invalid"):
