@@ -3,7 +3,10 @@ resume keeps it or says it cannot: the strategy the run resolved (`stored_strate
 `strategy_record`) and the host it started on (`numerics_host`, `host_change`)."""
 from __future__ import annotations
 
+import functools
 import os
+import pathlib
+import platform
 
 import jax
 
@@ -34,25 +37,50 @@ def strategy_record(choice: autotune.Choice, host: dict) -> dict:
   return {**choice.to_json(), 'host': host}
 
 
+# The widest vector instruction set in /proc/cpuinfo's flags, widest first.
+_ISAS = (('avx512f', 'avx512'), ('avx2', 'avx2'), ('avx', 'avx'), ('sse4_2', 'sse4.2'))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+  """The host CPU's model name and widest vector instruction set, e.g. 'AMD EPYC (avx512)' (from
+  /proc/cpuinfo; platform.processor() elsewhere)."""
+  try:
+    info = pathlib.Path('/proc/cpuinfo').read_text()
+  except OSError:
+    return platform.processor() or 'unknown'
+  fields = dict(line.split(':', 1) for line in info.splitlines()[:40] if ':' in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  flags = set(fields.get('flags', '').split())
+  isa = next((name for flag, name in _ISAS if flag in flags), 'unknown')
+  return f"{fields.get('model name', platform.processor() or 'unknown')} ({isa})"
+
+
 def numerics_host() -> dict:
   """What besides the config and the strategy sets a run's float rounding: the backend, its device,
-  jax's version and, on CPU, the threads XLA may use (the CPUs this process may run on). XLA:CPU
-  splits the sums of matrix products and convolutions across its threads, so the same run on 1 and
-  on 2 threads rounds differently from the first round on (docs/notes/testing.md#test-18)."""
+  jax's version and, on CPU, the threads XLA may use (the CPUs this process may run on) and the
+  CPU (`cpu_model`). XLA:CPU splits the sums of matrix products and convolutions across its
+  threads, so the same run on 1 and on 2 threads rounds differently from the first round on
+  (docs/notes/testing.md#test-18); so did two runs whose records were otherwise equal, on the
+  machines of two sessions (TEST-24)."""
   backend = jax.default_backend()
   return {'backend': backend, 'device_kind': jax.local_devices()[0].device_kind,
           'jax': jax.__version__,
-          'cpu_threads': len(os.sched_getaffinity(0)) if backend == 'cpu' else None}
+          'cpu_threads': len(os.sched_getaffinity(0)) if backend == 'cpu' else None,
+          'cpu': cpu_model() if backend == 'cpu' else None}
 
 
 def host_change(stored: dict | None, current: dict) -> str | None:
   """The warning for a resume on another numerics host than the run started on (`numerics_host`;
-  None when the same, or when the workdir predates the record)."""
+  None when the same, or when the workdir predates the record). Only the keys the stored record
+  holds are compared: a record from before a key was added says nothing about it."""
   host = (stored or {}).get('host')
-  if host is None or host == current:
+  if host is None:
     return None
-  changed = ', '.join(f'{k} {host.get(k)!r} -> {v!r}' for k, v in current.items()
-                      if host.get(k) != v)
-  return (f'warning: this run started on another host ({changed}): the rounds from here round '
-          'floats differently, so they are not bit-identical to an uninterrupted run on the first '
-          'one (the numbers stay valid; docs/notes/testing.md#test-18)')
+  changed = ', '.join(f'{k} {host[k]!r} -> {v!r}' for k, v in current.items()
+                      if k in host and host[k] != v)
+  if not changed:
+    return None
+  return (f'warning: this run started on another host ({changed}): the rounds from here may round '
+          'floats differently, so they may not be bit-identical to an uninterrupted run on the '
+          'first one (the numbers stay valid; docs/notes/testing.md#test-18)')
