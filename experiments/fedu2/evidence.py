@@ -17,8 +17,8 @@ geometry.json.
 
 Checkpoints are not committed (HARN-15), so a clone, or a table finished across machines, holds
 some runs' checkpoints only. A run without one keeps its entry of the previous geometry.json when
-that entry was measured on the same results.json (its sha256 is stored beside the measurement);
-otherwise it is listed in geometry.md as not measured.
+that entry was measured on the same results.json (its sha256 is stored beside the measurement) and
+with the same --num_images; otherwise it is listed in geometry.md as not measured.
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ def results_digest(workdir: pathlib.Path) -> str:
 
 
 def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict | None:
-  """The trained and random-init geometry of one finished run, with its results_digest; None when
-  the run has no checkpoint here."""
+  """The trained and random-init geometry of one finished run, with its results_digest and
+  num_images; None when the run has no checkpoint here."""
   rundir = RunDir(workdir)
   if not rundir.checkpoints.is_dir():
     return None
@@ -97,14 +97,15 @@ def measure_run(workdir: pathlib.Path, datasets: dict, num_images: int) -> dict 
     _, trained, _ = ckpt.restore(random_state)
   return {'trained': measure(algo, trained, dataset, config, num_images),
           'random_init': measure(algo, random_state, dataset, config, num_images),
-          'results_sha256': results_digest(workdir)}
+          'results_sha256': results_digest(workdir), 'num_images': num_images}
 
 
-def kept_entry(previous: dict, workdir: pathlib.Path) -> dict | None:
+def kept_entry(previous: dict, workdir: pathlib.Path, num_images: int) -> dict | None:
   """The previous geometry.json's entry for this run when it was measured on the same
-  results.json; None otherwise (absent, or the run was redone since)."""
+  results.json and num_images; None otherwise (absent, the run redone since, or another sample)."""
   entry = previous.get(workdir.parent.name, {}).get(workdir.name)
-  if entry is None or entry.get('results_sha256') != results_digest(workdir):
+  if (entry is None or entry.get('results_sha256') != results_digest(workdir)
+      or entry.get('num_images') != num_images):
     return None
   return entry
 
@@ -163,8 +164,9 @@ def markdown(results: dict, claims=(), missing=()) -> str:
     lines.append('| random init (first run) | 1 | ' + ' | '.join(f'{r[k]:.3f}' for k in METRICS)
                  + ' |')
   if missing:
-    lines += ['', f'Not measured ({len(missing)} finished runs with no checkpoint here and no '
-              'earlier measurement of the same results.json): ' + ', '.join(missing) + '.']
+    lines += ['', f'Not measured ({len(missing)} finished runs with no entry: no checkpoint where '
+              'geometry.json was written and no earlier measurement of the same results.json): '
+              + ', '.join(missing) + '.']
   if claims:
     lines += ['', '## Verdict', '',
               'Effect = better row − worse row, signed so that > 0 means better (lower uniformity '
@@ -179,10 +181,10 @@ def finished_runs(out: pathlib.Path) -> list:
   return sorted(p.parent for p in (out / 'runs').glob('*/seed*/results.json'))
 
 
-def _missing(out: pathlib.Path, results: dict) -> list:
+def missing_runs(out: pathlib.Path, results: dict) -> list:
+  """'cell/seedK' of the finished runs under OUT that `results` has no entry for."""
   return [f'{r.parent.name}/{r.name}' for r in finished_runs(out)
           if r.name not in results.get(r.parent.name, {})]
-
 
 
 def define_flags() -> None:
@@ -208,7 +210,7 @@ def main(argv):
       raise SystemExit(f'error: --render_only: {out / "geometry.json"} does not exist: run '
                        'without --render_only first')
     results = json.loads((out / 'geometry.json').read_text())
-    (out / 'geometry.md').write_text(markdown(results, claims, _missing(out, results)))
+    (out / 'geometry.md').write_text(markdown(results, claims, missing_runs(out, results)))
     print((out / 'geometry.md').read_text(), end='')
     return
   runs = finished_runs(out)
@@ -221,7 +223,7 @@ def main(argv):
     entry = measure_run(run, datasets, flags.FLAGS.num_images)
     how = 'measured'
     if entry is None:
-      entry, how = kept_entry(previous, run), 'kept from geometry.json'
+      entry, how = kept_entry(previous, run, flags.FLAGS.num_images), 'kept from geometry.json'
     if entry is None:
       print(run.parent.name, run.name, 'not measured: no checkpoint', flush=True)
       continue
@@ -246,7 +248,7 @@ def main(argv):
   fig.tight_layout()
   plotting.save_figure(fig, out / 'spectrum.png', dpi=120)
   plt.close(fig)
-  (out / 'geometry.md').write_text(markdown(results, claims, _missing(out, results)))
+  (out / 'geometry.md').write_text(markdown(results, claims, missing_runs(out, results)))
   print((out / 'geometry.md').read_text(), end='')
 
 

@@ -43,17 +43,24 @@ _ISAS = (('avx512f', 'avx512'), ('avx2', 'avx2'), ('avx', 'avx'), ('sse4_2', 'ss
 
 @functools.lru_cache(maxsize=None)
 def cpu_model() -> str:
-  """The host CPU's model name and widest vector instruction set, e.g. 'AMD EPYC (avx512)' (from
-  /proc/cpuinfo; platform.processor() elsewhere)."""
+  """The host CPU as /proc/cpuinfo's first processor names it: model name, family / model /
+  stepping, cache size and widest vector instruction set, e.g. 'AMD EPYC (family 25, model 17,
+  stepping 1, 512 KB cache, avx512)' (a virtual machine's model name alone can be generic);
+  platform.processor() where there is no /proc/cpuinfo."""
   try:
-    info = pathlib.Path('/proc/cpuinfo').read_text()
+    first = pathlib.Path('/proc/cpuinfo').read_text().split('\n\n', 1)[0]
   except OSError:
     return platform.processor() or 'unknown'
-  fields = dict(line.split(':', 1) for line in info.splitlines()[:40] if ':' in line)
-  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  fields = {k.strip(): v.strip()
+            for k, _, v in (line.partition(':') for line in first.splitlines())}
   flags = set(fields.get('flags', '').split())
   isa = next((name for flag, name in _ISAS if flag in flags), 'unknown')
-  return f"{fields.get('model name', platform.processor() or 'unknown')} ({isa})"
+  detail = ', '.join(f'{name} {fields[key]}' for key, name in
+                     (('cpu family', 'family'), ('model', 'model'), ('stepping', 'stepping'))
+                     if key in fields)
+  cache = f"{fields['cache size']} cache, " if 'cache size' in fields else ''
+  name = fields.get('model name') or platform.processor() or 'unknown'
+  return f'{name} ({detail + ", " if detail else ""}{cache}{isa})'
 
 
 def numerics_host() -> dict:

@@ -374,7 +374,8 @@ def setup(config, rundir: RunDir, ckpt: checkpoint.Checkpointer, *,
   moved = numerics.host_change(stored, host)
   if moved:
     console.report(moved)
-    host = stored['host']   # the record keeps the host the run started on
+  if (stored or {}).get('host') is not None:
+    host = stored['host']   # the record keeps the host the run started on, whatever it lacks
   console.say(_header(config, algo, choice))
   state = initial_state()
   round_cfg = experiment.round_config(config)

@@ -54,17 +54,19 @@ def test_a_run_without_a_checkpoint_keeps_only_a_measurement_of_the_same_results
   assert [f'{r.parent.name}/{r.name}' for r in runs] == ['a.col/seed0', 'a.col/seed1',
                                                           'b.col/seed0']
   assert evidence.measure_run(runs[0], {}, 10) is None        # no checkpoints directory
-  same = dict(_run(-1.0, 0.2, 8.0), results_sha256=evidence.results_digest(runs[0]))
-  redone = dict(_run(-2.0, 0.2, 8.0), results_sha256=evidence.results_digest(runs[0]))
+  stamp = lambda run: {'results_sha256': evidence.results_digest(run), 'num_images': 10}
+  same = dict(_run(-1.0, 0.2, 8.0), **stamp(runs[0]))
+  redone = dict(_run(-2.0, 0.2, 8.0), **stamp(runs[0]))
   unstamped = _run(-3.0, 0.2, 8.0)
   previous = {'a.col': {'seed0': same, 'seed1': redone}, 'b.col': {'seed0': unstamped}}
-  assert evidence.kept_entry(previous, runs[0]) is same
-  assert evidence.kept_entry(previous, runs[1]) is None       # measured on another results.json
-  assert evidence.kept_entry(previous, runs[2]) is None       # no digest: not known to match
+  assert evidence.kept_entry(previous, runs[0], 10) is same
+  assert evidence.kept_entry(previous, runs[0], 20) is None   # another sample of test images
+  assert evidence.kept_entry(previous, runs[1], 10) is None   # measured on another results.json
+  assert evidence.kept_entry(previous, runs[2], 10) is None   # no digest: not known to match
   results = {'a.col': {'seed0': same}}
-  missing = evidence._missing(tmp_path, results)  # pylint: disable=protected-access
+  missing = evidence.missing_runs(tmp_path, results)
   assert missing == ['a.col/seed1', 'b.col/seed0']
-  assert ('Not measured (2 finished runs with no checkpoint here and no earlier measurement of '
-          'the same results.json): a.col/seed1, b.col/seed0.') in evidence.markdown(results,
-                                                                                  missing=missing)
+  assert ('Not measured (2 finished runs with no entry: no checkpoint where geometry.json was '
+          'written and no earlier measurement of the same results.json): a.col/seed1, '
+          'b.col/seed0.') in evidence.markdown(results, missing=missing)
   assert 'Not measured' not in evidence.markdown(results)

@@ -24,13 +24,15 @@ def dsr_code(z, q, d):
 
 
 def dsr_hard_code(z, u):
-  """HSD in the code's form: the target is the normalised projection onto span(u), u [D, m]."""
+  """HSD in the code's form, z [B, D]: the target is the normalised projection onto span(u),
+  u [D, m] with orthonormal columns."""
   zh = l2n(z)
   t = l2n(zh @ u @ u.T)
   return np.linalg.norm(zh - t) / zh.shape[0]
 
 
 def dsr_hard_paper(z, u):
+  """HSD in the paper's form, z [B, D], u [D, m]: mean squared distance to the projection."""
   zh = l2n(z)
   return np.mean(np.sum((zh - zh @ u @ u.T) ** 2, 1))
 
