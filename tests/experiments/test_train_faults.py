@@ -227,7 +227,8 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   the host it ran on; a resume uses the recorded strategy even when the cache has changed its mind
   since (strategies agree only to float rounding), and ends bit-exact; a resume on another host
   (here: a pretended other CPU thread count) says so in one warning and keeps the first host in the
-  record; a fresh run takes the cache's strategy."""
+  record; a fresh run takes the cache's strategy; a record from before the CPU was recorded is
+  kept as it was, without a warning."""
   monkeypatch.setenv('FEDJAX_SSL_AUTOTUNE', 'map1,vmap')  # a CPU's default has one candidate
   cache = tmp_path / 'cache'
   config = dict(checkpoint_every=10)
@@ -278,6 +279,19 @@ def test_a_resume_keeps_the_strategy_its_run_started_with(tmp_path, monkeypatch,
   _assert_same_run(stopped, tmp_path / 'full')
   fresh = _train(tmp_path / 'fresh', config=config, cache_dir=cache)
   assert (fresh['strategy']['source'], fresh['strategy']['strategy']) == ('cache', other)
+  # A run recorded before the CPU was: resumed without a warning, its record kept as it was.
+  older = tmp_path / 'older'
+  with monkeypatch.context() as m:
+    _round_step_hook(m, sigterm_after_2)
+    with pytest.raises(signals.Preempted):
+      _train(older, config=config, cache_dir=cache)
+  record = json.loads((older / 'strategy.json').read_text())
+  del record['host']['cpu']
+  (older / 'strategy.json').write_text(json.dumps(record))
+  capfd.readouterr()
+  resumed = _train(older, config=config, cache_dir=cache)
+  assert not [l for l in capfd.readouterr().err.splitlines() if l.startswith('warning:')]
+  assert resumed['strategy']['host'] == record['host']
 
 
 @pytest.mark.slow
