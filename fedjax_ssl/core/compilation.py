@@ -86,7 +86,10 @@ def enable_cache(cache_dir: Optional[str] = None) -> Optional[pathlib.Path]:
   if current and current != str(path / 'xla'):  # JAX opens its cache once: re-point it
     cc.reset_cache()
   jax.config.update('jax_compilation_cache_dir', str(path / 'xla'))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', MIN_COMPILE_SECONDS)
+  # JAX's own variable, when set, wins: a user (or a test on a fast machine, whose tiny programs
+  # compile under the bar) may cache every program.
+  if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in os.environ:
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', MIN_COMPILE_SECONDS)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   return path
 
